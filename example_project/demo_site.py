@@ -1,0 +1,178 @@
+"""A small real website served under several loopback host names, logging every arrival.
+
+Each host (127.0.0.2, 127.0.0.3, ...) serves the same port; Scrapy keys its download slots, and the
+throttle its buckets, by host name, so each host is a separate "domain". Pages link to other pages
+of the same host, so a link-following spider finds all of them from ``/``.
+
+Run it alone with ``python demo_site.py --hosts 127.0.0.2 127.0.0.3 --pages 50``; it prints
+``READY <port>`` and logs one JSON line per arrival to ``--log``. Tests use :class:`DemoSite`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import IO, Any
+
+
+@dataclass(frozen=True)
+class Arrival:
+    time: float
+    """time.monotonic() when the request line arrived (comparable within one process)."""
+    wall_time: float
+    host: str
+    path: str
+    status: int
+
+
+def page_links(index: int, pages: int) -> list[int]:
+    """Pages that page *index* links to: a few neighbours, so every page is reachable from /."""
+    return sorted({(index + step) % pages for step in (1, 2, 7) if pages > 1} - {index})
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _HostServer
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        arrived = time.monotonic(), time.time()
+        status, body = self._page()
+        self.server.site.record(
+            Arrival(arrived[0], arrived[1], self.server.host, self.path, status)
+        )
+        data = body.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _page(self) -> tuple[int, str]:
+        pages = self.server.site.pages
+        if self.path == "/":
+            links = [0] if pages else []
+        elif (
+            self.path.startswith("/page/")
+            and self.path[6:].isdigit()
+            and (int(self.path[6:]) < pages)
+        ):
+            links = page_links(int(self.path[6:]), pages)
+        else:
+            return 404, "<html><body>not found</body></html>"
+        anchors = "".join(f'<a href="/page/{n}">page {n}</a> ' for n in links)
+        return 200, f"<html><body><h1>{self.server.host}{self.path}</h1>{anchors}</body></html>"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Arrivals are recorded, not printed."""
+
+
+class _HostServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, site: DemoSite, host: str, port: int) -> None:
+        self.site = site
+        self.host = host
+        super().__init__((host, port), _Handler)
+
+
+class DemoSite:
+    """Serve *pages* linked pages on each of *hosts*, all on one port (0 picks a free one)."""
+
+    def __init__(
+        self, hosts: list[str], port: int = 0, pages: int = 20, log: IO[str] | None = None
+    ) -> None:
+        self.hosts = hosts
+        self.pages = pages
+        self._log = log
+        self._lock = threading.Lock()
+        self._arrivals: list[Arrival] = []
+        self._servers = self._bind(port)
+        self.port: int = self._servers[0].server_address[1]
+        self._threads = [
+            threading.Thread(target=server.serve_forever, name=f"demo-site-{server.host}")
+            for server in self._servers
+        ]
+
+    def _bind(self, port: int, attempts: int = 20) -> list[_HostServer]:
+        # A port free on the first host may be taken on another: try again with a new one.
+        for _ in range(attempts):
+            servers: list[_HostServer] = []
+            try:
+                for host in self.hosts:
+                    chosen = servers[0].server_address[1] if servers else port
+                    servers.append(_HostServer(self, host, chosen))
+                return servers
+            except OSError:
+                for server in servers:
+                    server.server_close()
+                if port:
+                    raise
+        raise OSError(f"no port free on all of {self.hosts} after {attempts} attempts")
+
+    def start(self) -> DemoSite:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def stop(self) -> None:
+        for server in self._servers:
+            server.shutdown()
+            server.server_close()
+        for thread in self._threads:
+            thread.join()
+
+    def __enter__(self) -> DemoSite:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def url(self, host: str, path: str = "/") -> str:
+        return f"http://{host}:{self.port}{path}"
+
+    def record(self, arrival: Arrival) -> None:
+        with self._lock:
+            self._arrivals.append(arrival)
+            if self._log is not None:
+                self._log.write(json.dumps(asdict(arrival)) + "\n")
+                self._log.flush()
+
+    def arrivals(self, host: str | None = None) -> list[Arrival]:
+        with self._lock:
+            return [a for a in self._arrivals if host is None or a.host == host]
+
+
+def loopback_hosts_available(hosts: list[str]) -> bool:
+    """Whether this machine routes all of *hosts* (Linux routes all of 127.0.0.0/8; macOS does
+    not without aliases)."""
+    for host in hosts:
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, 0))
+            except OSError:
+                return False
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hosts", nargs="+", default=["127.0.0.2", "127.0.0.3"])
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--pages", type=int, default=20)
+    parser.add_argument("--log", type=argparse.FileType("a"), default=None)
+    args = parser.parse_args()
+    site = DemoSite(args.hosts, args.port, args.pages, args.log).start()
+    print(f"READY {site.port}", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        site.stop()
+
+
+if __name__ == "__main__":
+    main()

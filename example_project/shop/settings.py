@@ -1,0 +1,26 @@
+"""A scrapy-redis fleet whose workers share one polite budget per domain."""
+
+import os
+
+BOT_NAME = "shop"
+SPIDER_MODULES = ["shop.spiders"]
+ROBOTSTXT_OBEY = False
+
+# scrapy-redis: every worker pulls from, and adds to, one shared frontier in Redis.
+SCHEDULER = "scrapy_redis.scheduler.Scheduler"
+DUPEFILTER_CLASS = "scrapy_redis.dupefilter.RFPDupeFilter"
+# Keep the frontier when one worker stops, or it would be cleared for all the others.
+SCHEDULER_PERSIST = True
+REDIS_URL = os.environ.get("REDIS_URL", "redis://localhost:6379/0")
+
+# scrapy-redis-throttle: one shared token bucket per domain, in the same Redis (REDIS_URL).
+ADDONS = {"scrapy_redis_throttle.Addon": 500}
+# Domains the spider does not list get this shared limit ("unlimited" or None: no limit).
+REDIS_THROTTLE_DEFAULT_RATE = "1/s"
+
+# Per-process politeness is left to the shared budget: no per-worker delay, and enough
+# concurrency for requests to wait their turn without blocking each other.
+DOWNLOAD_DELAY = 0
+CONCURRENT_REQUESTS = 32
+CONCURRENT_REQUESTS_PER_DOMAIN = 32
+TELNETCONSOLE_ENABLED = False

@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from scrapy_redis.spiders import RedisSpider
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from scrapy.http import Response
+
+
+class ShopSpider(RedisSpider):  # type: ignore[misc]
+    """Follows every link of the demo site, from start URLs pushed to ``shop:start_urls``."""
+
+    name = "shop"
+    redis_key = "shop:start_urls"
+
+    # One budget per domain for the whole fleet, however many workers run this spider.
+    redis_throttle_rates: ClassVar[dict[str, Any]] = {
+        "127.0.0.2": "4/s",
+        "127.0.0.3": {"rate": "2/s", "burst": 3},
+        "127.0.0.4": "1/2s",  # below one request per second
+    }
+
+    def parse(self, response: Response, **kwargs: Any) -> Iterator[Any]:
+        yield {"url": response.url}
+        yield from response.follow_all(response.css("a::attr(href)").getall(), callback=self.parse)

@@ -1,0 +1,73 @@
+-- Token bucket for one domain, in its GCRA form: the whole state is one number, the domain's
+-- "theoretical arrival time" (TAT), i.e. when the bucket would be full again.
+--
+-- KEYS[1]  the domain's bucket key
+-- ARGV[1]  interval: microseconds it takes to refill one token (1e6 / rate per second), > 0
+-- ARGV[2]  burst: bucket size in tokens, >= 1
+-- ARGV[3]  cost: tokens this request takes, > 0 and <= burst
+--
+-- Returns {allowed, tokens_left, retry_after_ms, reset_after_ms}.
+--   allowed         1 if the request may go now (its tokens are taken), else 0 (nothing is taken)
+--   tokens_left     tokens in the bucket after this call
+--   retry_after_ms  how long until the same request could go (0 when allowed)
+--   reset_after_ms  how long until the bucket is full again (the key's expiry)
+-- Numbers are returned as strings: Redis would truncate Lua numbers to integers.
+
+local function positive_finite(value)
+  local number = tonumber(value)
+  if number == nil or number ~= number or number <= 0 or number == math.huge then
+    return nil
+  end
+  return number
+end
+
+local interval = positive_finite(ARGV[1])
+if interval == nil then
+  return redis.error_reply("ERR redis_throttle: interval must be a positive finite number, got "
+    .. tostring(ARGV[1]))
+end
+local burst = positive_finite(ARGV[2])
+if burst == nil or burst < 1 then
+  return redis.error_reply("ERR redis_throttle: burst must be a finite number >= 1, got "
+    .. tostring(ARGV[2]))
+end
+local cost = positive_finite(ARGV[3])
+if cost == nil then
+  return redis.error_reply("ERR redis_throttle: cost must be a positive finite number, got "
+    .. tostring(ARGV[3]))
+end
+if cost > burst then
+  -- Such a request could never go: refuse it instead of making it wait forever.
+  return redis.error_reply("ERR redis_throttle: cost " .. ARGV[3] .. " exceeds burst " .. ARGV[2])
+end
+
+-- Server time, so that workers on machines with skewed clocks agree. Counted in microseconds
+-- from 2024-01-01 to keep the numbers small enough for sub-microsecond precision in doubles.
+local time = redis.call("TIME")
+local now = (tonumber(time[1]) - 1704067200) * 1000000 + tonumber(time[2])
+
+local tat = tonumber(redis.call("GET", KEYS[1]))
+if tat == nil or tat < now then
+  tat = now
+end
+
+local new_tat = tat + cost * interval
+local allow_at = new_tat - burst * interval
+if now < allow_at then
+  return {
+    0,
+    string.format("%.6f", burst - (tat - now) / interval),
+    string.format("%.3f", (allow_at - now) / 1000),
+    string.format("%.3f", (tat - now) / 1000),
+  }
+end
+
+local reset_after = new_tat - now
+-- The key lives exactly as long as the bucket is not full: idle domains vanish.
+redis.call("SET", KEYS[1], string.format("%.3f", new_tat), "PX", math.ceil(reset_after / 1000))
+return {
+  1,
+  string.format("%.6f", burst - reset_after / interval),
+  "0",
+  string.format("%.3f", reset_after / 1000),
+}

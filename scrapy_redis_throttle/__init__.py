@@ -1,0 +1,16 @@
+"""A per-domain rate limit in Redis, shared by every Scrapy / scrapy-redis worker that uses it."""
+
+from .addon import Addon
+from .bucket import AcquireResult, TokenBucket
+from .config import Limit, ThrottleConfig, ThrottleConfigError
+from .middleware import RedisThrottleMiddleware
+
+__all__ = [
+    "AcquireResult",
+    "Addon",
+    "Limit",
+    "RedisThrottleMiddleware",
+    "ThrottleConfig",
+    "ThrottleConfigError",
+    "TokenBucket",
+]

@@ -1,0 +1,64 @@
+"""The shared token bucket: one atomic Lua call in Redis per attempt."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+
+    from .config import Limit
+
+
+def load_script(name: str) -> str:
+    """Return the source of ``lua/<name>``.
+
+    Installed wheels carry the scripts inside the package; a source checkout has them in the
+    top-level ``lua/`` folder.
+    """
+    packaged = resources.files(__package__).joinpath("lua", name)
+    if packaged.is_file():
+        return packaged.read_text(encoding="utf-8")
+    return (Path(__file__).resolve().parent.parent / "lua" / name).read_text(encoding="utf-8")
+
+
+@dataclass(frozen=True)
+class AcquireResult:
+    allowed: bool
+    tokens_left: float
+    retry_after: float
+    """Seconds until this request could go (0 when allowed)."""
+    reset_after: float
+    """Seconds until the bucket is full again."""
+
+
+def bucket_key(prefix: str, domain: str) -> str:
+    """The domain's bucket key. The braces are a Redis Cluster hash tag, so all the keys of one
+    domain land in one slot."""
+    return f"{prefix}:{{{domain}}}:bucket"
+
+
+class TokenBucket:
+    """Per-domain token buckets stored in one Redis, shared by every process that uses it."""
+
+    def __init__(self, redis: Redis, key_prefix: str) -> None:
+        self._key_prefix = key_prefix
+        # redis-py's Script runs EVALSHA and reloads the script when Redis lost it.
+        self._script = redis.register_script(load_script("token_bucket.lua"))
+
+    async def acquire(self, domain: str, limit: Limit, cost: float = 1) -> AcquireResult:
+        """Take *cost* tokens from *domain*'s bucket if it has them (atomically, in one call)."""
+        reply: list[Any] = await self._script(
+            keys=[bucket_key(self._key_prefix, domain)],
+            args=[repr(limit.interval_us), limit.burst, repr(float(cost))],
+        )
+        allowed, tokens_left, retry_after_ms, reset_after_ms = reply
+        return AcquireResult(
+            allowed=int(allowed) == 1,
+            tokens_left=float(tokens_left),
+            retry_after=float(retry_after_ms) / 1000,
+            reset_after=float(reset_after_ms) / 1000,
+        )

@@ -1,0 +1,312 @@
+"""Every setting of scrapy-redis-throttle, read and validated in one place.
+
+:class:`ThrottleConfig` is built once per crawler, at start-up; a bad value raises
+:class:`ThrottleConfigError` naming the setting (or spider attribute) and the value.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
+
+from scrapy.exceptions import NotConfigured
+
+if TYPE_CHECKING:
+    from scrapy.crawler import Crawler
+    from scrapy.settings import BaseSettings
+
+SPIDER_ATTRIBUTE = "redis_throttle_rates"
+UNLIMITED = "unlimited"
+
+DEFAULT_RATE = "1/s"
+DEFAULT_BURST = 1
+DEFAULT_KEY_PREFIX = "redis_throttle"
+DEFAULT_MAX_CONNECTIONS = 32
+# Short timeouts: a stalled Redis must delay requests by seconds, not scrapy-redis's 30 s.
+DEFAULT_REDIS_PARAMS: Mapping[str, Any] = {"socket_timeout": 5, "socket_connect_timeout": 5}
+# Parameters of scrapy-redis's REDIS_PARAMS that only make sense for its own synchronous client.
+_SYNC_ONLY_PARAMS = frozenset({"redis_cls"})
+
+_UNITS = {
+    "s": 1.0, "sec": 1.0, "second": 1.0, "seconds": 1.0,
+    "m": 60.0, "min": 60.0, "minute": 60.0, "minutes": 60.0,
+    "h": 3600.0, "hour": 3600.0, "hours": 3600.0,
+    "d": 86400.0, "day": 86400.0, "days": 86400.0,
+}  # fmt: skip
+_NUMBER = r"\d+(?:\.\d+)?"
+_RATE_RE = re.compile(
+    rf"^\s*(?P<count>{_NUMBER})\s*/\s*(?P<multiplier>{_NUMBER})?\s*(?P<unit>[a-z]+)\s*$"
+)
+_PER_SECOND_RE = re.compile(rf"^\s*{_NUMBER}\s*$")
+_PATTERN_RE = re.compile(r"^(\*\.)?[^\s*/]+$")
+
+
+class ThrottleConfigError(ValueError):
+    """A setting, spider attribute or request meta value of scrapy-redis-throttle is invalid."""
+
+
+@dataclass(frozen=True)
+class Limit:
+    """A domain's budget: ``rate`` requests per second on average, at most ``burst`` at once."""
+
+    rate: float
+    burst: int
+    text: str = field(compare=False)
+
+    @property
+    def interval_us(self) -> float:
+        """Microseconds to refill one token, the unit the Lua script takes."""
+        return 1e6 / self.rate
+
+    def __str__(self) -> str:
+        return f"{self.text} (burst {self.burst})"
+
+
+def parse_rate(value: object, *, source: str) -> float:
+    """Return requests per second from ``"5/s"``, ``"100/m"``, ``"1/10s"``, ``"3/min"`` or a number.
+
+    *source* names where the value came from, for the error message.
+    """
+    if isinstance(value, bool):
+        raise ThrottleConfigError(f"{source}: invalid rate {value!r}")
+    if isinstance(value, (int, float)) or (isinstance(value, str) and _PER_SECOND_RE.match(value)):
+        rate = float(value)
+    elif isinstance(value, str):
+        match = _RATE_RE.match(value.lower())
+        if match is None:
+            raise ThrottleConfigError(
+                f"{source}: invalid rate {value!r}; expected e.g. '5/s', '100/m', '1000/h', "
+                f"'1/10s', '2/d' or a number of requests per second"
+            )
+        unit = _UNITS.get(match["unit"])
+        if unit is None:
+            raise ThrottleConfigError(
+                f"{source}: invalid rate {value!r}: unknown time unit {match['unit']!r} "
+                f"(use s, m, h or d)"
+            )
+        period = float(match["multiplier"] or 1) * unit
+        if period <= 0:
+            raise ThrottleConfigError(f"{source}: invalid rate {value!r}: the period is zero")
+        rate = float(match["count"]) / period
+    else:
+        raise ThrottleConfigError(
+            f"{source}: invalid rate {value!r}: expected a string like '5/s' or a number"
+        )
+    if not math.isfinite(rate) or rate <= 0:
+        raise ThrottleConfigError(f"{source}: rate must be positive and finite, got {value!r}")
+    return rate
+
+
+def parse_positive_int(value: object, *, source: str, what: str) -> int:
+    """An integer >= 1; digit strings (from ``scrapy crawl -s NAME=3``) are accepted."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ThrottleConfigError(f"{source}: {what} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def parse_burst(value: object, *, source: str) -> int:
+    return parse_positive_int(value, source=source, what="burst")
+
+
+def parse_limit(value: object, *, default_burst: int, source: str) -> Limit | None:
+    """Parse a rate spec: ``"5/s"``, a number, ``{"rate": ..., "burst": ...}``, or ``None`` /
+    ``"unlimited"`` for no limit (returned as ``None``)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == UNLIMITED):
+        return None
+    if isinstance(value, Mapping):
+        unknown = set(value) - {"rate", "burst"}
+        if unknown:
+            raise ThrottleConfigError(
+                f"{source}: unknown key(s) {sorted(map(str, unknown))} in {dict(value)!r}; "
+                f"allowed: 'rate', 'burst'"
+            )
+        if "rate" not in value:
+            raise ThrottleConfigError(f"{source}: {dict(value)!r} has no 'rate'")
+        rate = parse_rate(value["rate"], source=source)
+        burst = parse_burst(value.get("burst", default_burst), source=source)
+        return Limit(rate, burst, _rate_text(value["rate"], rate))
+    rate = parse_rate(value, source=source)
+    return Limit(rate, default_burst, _rate_text(value, rate))
+
+
+def _rate_text(value: object, rate: float) -> str:
+    if isinstance(value, str) and not _PER_SECOND_RE.match(value):
+        return value.strip()
+    return f"{rate:g}/s"
+
+
+def _parse_pattern(pattern: object, *, source: str) -> str:
+    if not isinstance(pattern, str) or not _PATTERN_RE.match(pattern):
+        raise ThrottleConfigError(
+            f"{source}: invalid domain pattern {pattern!r}; expected a host name like "
+            f"'shop.example' or a wildcard like '*.cdn.example'"
+        )
+    return pattern.lower()
+
+
+@dataclass(frozen=True)
+class LimitTable:
+    """Which limit applies to a key (normally the host name; see :meth:`lookup`)."""
+
+    exact: Mapping[str, Limit | None]
+    wildcards: Mapping[str, Limit | None]  # "cdn.example" for the pattern "*.cdn.example"
+    default: Limit | None
+
+    def lookup(self, key: str) -> Limit | None:
+        """Return the limit for *key*, ``None`` meaning unthrottled.
+
+        Precedence: an exact entry, then the longest matching wildcard (``*.cdn.example``
+        matches ``a.cdn.example`` and ``a.b.cdn.example``, not ``cdn.example``), then the default.
+        """
+        key = key.lower()
+        if key in self.exact:
+            return self.exact[key]
+        dot = key.find(".")
+        while dot != -1:
+            suffix = key[dot + 1 :]
+            if suffix in self.wildcards:
+                return self.wildcards[suffix]
+            dot = key.find(".", dot + 1)
+        return self.default
+
+    def describe(self) -> list[str]:
+        def show(limit: Limit | None) -> str:
+            return str(limit) if limit else UNLIMITED
+
+        lines = [f"{host}: {show(limit)}" for host, limit in sorted(self.exact.items())]
+        lines += [f"*.{suffix}: {show(limit)}" for suffix, limit in sorted(self.wildcards.items())]
+        lines.append(f"other domains: {show(self.default)}")
+        return lines
+
+
+def _build_table(
+    entries: list[tuple[str, Mapping[Any, Any]]], default: Limit | None, default_burst: int
+) -> LimitTable:
+    exact: dict[str, Limit | None] = {}
+    wildcards: dict[str, Limit | None] = {}
+    for source, mapping in entries:  # later sources override earlier ones
+        for raw_pattern, spec in mapping.items():
+            where = f"{source}[{raw_pattern!r}]"
+            pattern = _parse_pattern(raw_pattern, source=where)
+            limit = parse_limit(spec, default_burst=default_burst, source=where)
+            if pattern.startswith("*."):
+                wildcards[pattern[2:]] = limit
+            else:
+                exact[pattern] = limit
+    return LimitTable(exact, wildcards, default)
+
+
+def redact_url(url: str) -> str:
+    """*url* with its password replaced, for logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = f"{parts.username}:" if parts.username else ":"
+    return urlunsplit(parts._replace(netloc=f"{user}***@{netloc}"))
+
+
+@dataclass(frozen=True)
+class ThrottleConfig:
+    limits: LimitTable
+    redis_url: str
+    redis_params: Mapping[str, Any]
+    key_prefix: str
+    max_connections: int
+
+    @classmethod
+    def from_crawler(cls, crawler: Crawler) -> ThrottleConfig:
+        """Read the crawler's settings and its spider's ``redis_throttle_rates`` attribute.
+
+        Raises :exc:`~scrapy.exceptions.NotConfigured` when ``REDIS_THROTTLE_ENABLED`` is off.
+        """
+        rates = getattr(crawler.spider, SPIDER_ATTRIBUTE, None)
+        return cls.from_settings(crawler.settings, spider_rates=rates)
+
+    @classmethod
+    def from_settings(cls, settings: BaseSettings, spider_rates: object = None) -> ThrottleConfig:
+        if not settings.getbool("REDIS_THROTTLE_ENABLED", True):
+            raise NotConfigured("REDIS_THROTTLE_ENABLED is False")
+
+        default_burst = parse_burst(
+            _get(settings, "REDIS_THROTTLE_DEFAULT_BURST", DEFAULT_BURST),
+            source="REDIS_THROTTLE_DEFAULT_BURST",
+        )
+        default = parse_limit(
+            _get(settings, "REDIS_THROTTLE_DEFAULT_RATE", DEFAULT_RATE),
+            default_burst=default_burst,
+            source="REDIS_THROTTLE_DEFAULT_RATE",
+        )
+        entries = [("REDIS_THROTTLE_RATES", _getdict(settings, "REDIS_THROTTLE_RATES"))]
+        if spider_rates is not None:
+            if not isinstance(spider_rates, Mapping):
+                raise ThrottleConfigError(
+                    f"spider attribute {SPIDER_ATTRIBUTE} must be a dict of domain pattern to "
+                    f"rate, got {spider_rates!r}"
+                )
+            entries.append((f"spider attribute {SPIDER_ATTRIBUTE}", spider_rates))
+
+        key_prefix = _get(settings, "REDIS_THROTTLE_KEY_PREFIX", DEFAULT_KEY_PREFIX)
+        if not isinstance(key_prefix, str) or not key_prefix or "{" in key_prefix:
+            raise ThrottleConfigError(
+                f"REDIS_THROTTLE_KEY_PREFIX must be a non-empty string without '{{', "
+                f"got {key_prefix!r}"
+            )
+        max_connections = parse_positive_int(
+            _get(settings, "REDIS_THROTTLE_MAX_CONNECTIONS", DEFAULT_MAX_CONNECTIONS),
+            source="REDIS_THROTTLE_MAX_CONNECTIONS",
+            what="the value",
+        )
+
+        return cls(
+            limits=_build_table(entries, default, default_burst),
+            redis_url=_redis_url(settings),
+            redis_params=_redis_params(settings),
+            key_prefix=key_prefix,
+            max_connections=max_connections,
+        )
+
+
+def _get(settings: BaseSettings, name: str, default: object) -> Any:
+    """The setting's value, *default* only when it is not set at all (``settings.get`` would also
+    replace an explicit ``None``, which means "unlimited" for a rate)."""
+    return settings[name] if settings.getpriority(name) is not None else default
+
+
+def _getdict(settings: BaseSettings, name: str) -> Mapping[Any, Any]:
+    try:
+        return settings.getdict(name)
+    except (ValueError, TypeError) as exc:  # not a dict, nor a JSON object string
+        raise ThrottleConfigError(f"{name} must be a dict, got {settings.get(name)!r}") from exc
+
+
+def _redis_url(settings: BaseSettings) -> str:
+    """REDIS_THROTTLE_URL, else scrapy-redis's REDIS_URL, else its REDIS_HOST/PORT/DB."""
+    for name in ("REDIS_THROTTLE_URL", "REDIS_URL"):
+        url = settings.get(name)
+        if url:
+            if not isinstance(url, str) or urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+                raise ThrottleConfigError(
+                    f"{name} must be a redis://, rediss:// or unix:// URL, got {url!r}"
+                )
+            return url
+    host = settings.get("REDIS_HOST") or "localhost"
+    port = settings.get("REDIS_PORT") or 6379
+    db = settings.get("REDIS_DB") or 0
+    return f"redis://{host}:{port}/{db}"
+
+
+def _redis_params(settings: BaseSettings) -> dict[str, Any]:
+    """Client parameters: our defaults < scrapy-redis's REDIS_PARAMS < REDIS_THROTTLE_PARAMS."""
+    params = dict(DEFAULT_REDIS_PARAMS)
+    for name in ("REDIS_PARAMS", "REDIS_THROTTLE_PARAMS"):
+        for key, value in _getdict(settings, name).items():
+            if key not in _SYNC_ONLY_PARAMS:
+                params[key] = value
+    return params

@@ -1,0 +1,126 @@
+"""Test support: bounded waits, async tests, server-side pacing checks, a test spider."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import pytest_twisted
+from scrapy import Request, Spider
+from scrapy.crawler import CrawlerRunner
+from scrapy.utils.defer import deferred_from_coro, maybe_deferred_to_future
+from twisted.internet.defer import Deferred
+
+if TYPE_CHECKING:
+    from scrapy.crawler import Crawler
+    from scrapy.http import Response
+    from twisted.python.failure import Failure
+
+HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+
+
+def wait_until(
+    predicate: Callable[[], object], timeout: float, message: str, interval: float = 0.02
+) -> None:
+    """Poll *predicate* until it is true; fail with *message* after *timeout* seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s: {message}")
+        time.sleep(interval)
+
+
+def async_test(func: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., Deferred[None]]:
+    """Run an ``async def`` test as an asyncio task on the reactor's loop, the way Scrapy runs
+    coroutines (pytest-twisted's own decorator cannot await asyncio futures)."""
+
+    @pytest_twisted.inlineCallbacks  # type: ignore[untyped-decorator]
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Generator[Deferred[None], None, None]:
+        yield deferred_from_coro(func(*args, **kwargs))
+
+    return wrapper  # type: ignore[no-any-return]
+
+
+# Server-side arrival times may be squeezed by this much by uneven network and thread latency.
+ARRIVAL_JITTER = 0.1
+
+
+def assert_paced(times: list[float], rate: float, burst: int, what: str) -> None:
+    """No window [t_i, t_j] of *times* holds more than ``burst + rate * (t_j - t_i)`` arrivals
+    (with :data:`ARRIVAL_JITTER` of slack on the window's length)."""
+    times = sorted(times)
+    for i, first in enumerate(times):
+        for j in range(i, len(times)):
+            allowed = burst + rate * (times[j] - first + ARRIVAL_JITTER)
+            assert j - i + 1 <= allowed, (
+                f"{what}: {j - i + 1} arrivals within {times[j] - first:.3f} s "
+                f"(limit {rate}/s, burst {burst}: at most {allowed:.2f})"
+            )
+
+
+def achieved_rate(times: list[float], burst: int) -> float:
+    """Requests per second after the initial burst, over the busy period."""
+    times = sorted(times)
+    return (len(times) - burst) / (times[-1] - times[0])
+
+
+class UrlListSpider(Spider):
+    """Requests the given URLs once each (``requests``: dicts with ``url`` and optional ``meta``)
+    and counts what came back."""
+
+    name = "url_list"
+    requests: list[dict[str, Any]]
+    barrier: dict[str, Any] | None = None
+
+    async def start(self) -> AsyncIterator[Request]:
+        if self.barrier:
+            await self._wait_for_go(**self.barrier)
+        for spec in self.requests:
+            yield Request(spec["url"], meta=spec.get("meta", {}), dont_filter=True,
+                          callback=self.parse, errback=self.failed)  # fmt: skip
+
+    @staticmethod
+    async def _wait_for_go(redis_url: str, key: str) -> None:
+        """Say we are ready, then wait for the test to let every worker go at once."""
+        from redis.asyncio import Redis
+
+        client = Redis.from_url(redis_url)
+        await client.rpush(f"{key}:ready", 1)
+        assert await client.blpop([f"{key}:go"], timeout=60), "no go signal within 60 s"
+        await client.aclose()
+
+    def parse(self, response: Response) -> None:
+        self.crawler.stats.inc_value("test/responses")
+
+    def failed(self, failure: Failure) -> None:
+        self.crawler.stats.inc_value(f"test/failures/{failure.type.__name__}")  # type: ignore[union-attr]
+
+
+BASE_SETTINGS: dict[str, Any] = {
+    "DOWNLOADER_MIDDLEWARES": {"scrapy_redis_throttle.RedisThrottleMiddleware": 950},
+    "CONCURRENT_REQUESTS": 64,
+    "CONCURRENT_REQUESTS_PER_DOMAIN": 64,
+    "DOWNLOAD_DELAY": 0,
+    "ROBOTSTXT_OBEY": False,
+    "TELNETCONSOLE_ENABLED": False,
+    "LOG_LEVEL": "DEBUG",
+    "CLOSESPIDER_TIMEOUT": 60,  # a guard: a stuck crawl ends and its assertions fail
+}
+
+
+def crawl_settings(redis_url: str, **overrides: Any) -> dict[str, Any]:
+    return {**BASE_SETTINGS, "REDIS_URL": redis_url, **overrides}
+
+
+async def run_crawl(
+    settings: dict[str, Any], requests: list[dict[str, Any]], **spider_attributes: Any
+) -> Crawler:
+    """Run one in-process crawl to its end and return its crawler (for its stats)."""
+    runner = CrawlerRunner(settings)
+    crawler = runner.create_crawler(UrlListSpider)
+    await maybe_deferred_to_future(runner.crawl(crawler, requests=requests, **spider_attributes))
+    return crawler

@@ -1,0 +1,226 @@
+"""Settings and spider attribute parsing, without a crawler."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from scrapy.exceptions import NotConfigured
+from scrapy.settings import Settings
+
+from scrapy_redis_throttle.config import (
+    DEFAULT_REDIS_PARAMS,
+    Limit,
+    ThrottleConfig,
+    ThrottleConfigError,
+    parse_rate,
+    redact_url,
+)
+
+
+def config(spider_rates: object = None, **settings: Any) -> ThrottleConfig:
+    return ThrottleConfig.from_settings(Settings(settings), spider_rates=spider_rates)
+
+
+@pytest.mark.parametrize(
+    ("text", "per_second"),
+    [
+        ("5/s", 5.0),
+        ("5 / s", 5.0),
+        ("100/m", 100 / 60),
+        ("100/min", 100 / 60),
+        ("1000/h", 1000 / 3600),
+        ("1/10s", 0.1),
+        ("3/M", 3 / 60),
+        ("2/d", 2 / 86400),
+        ("1/1.5s", 1 / 1.5),
+        ("2.5/second", 2.5),
+        (7, 7.0),
+        ("7", 7.0),
+        (" 0.5 ", 0.5),
+        (0.25, 0.25),
+    ],
+)
+def test_rate_strings(text: object, per_second: float) -> None:
+    assert parse_rate(text, source="X") == pytest.approx(per_second)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("5 per second", r"X: invalid rate '5 per second'; expected e.g. '5/s'"),
+        ("5/fortnight", "unknown time unit 'fortnight'"),
+        ("0/s", "rate must be positive and finite, got '0/s'"),
+        ("1/0s", "the period is zero"),
+        ("-1/s", "invalid rate '-1/s'"),
+        (0, "rate must be positive and finite, got 0"),
+        (-3, "rate must be positive and finite, got -3"),
+        (float("nan"), "rate must be positive and finite, got nan"),
+        (float("inf"), "rate must be positive and finite, got inf"),
+        (True, "invalid rate True"),
+        ([5], r"invalid rate \[5\]"),
+    ],
+)
+def test_invalid_rates(value: object, message: str) -> None:
+    with pytest.raises(ThrottleConfigError, match=message):
+        parse_rate(value, source="X")
+
+
+def test_defaults() -> None:
+    cfg = config()
+    assert cfg.limits.lookup("anything.example") == Limit(1.0, 1, "1/s")
+    assert cfg.redis_url == "redis://localhost:6379/0"
+    assert cfg.redis_params == DEFAULT_REDIS_PARAMS
+    assert cfg.key_prefix == "redis_throttle"
+    assert cfg.max_connections == 32
+
+
+def test_disabled() -> None:
+    with pytest.raises(NotConfigured):
+        config(REDIS_THROTTLE_ENABLED=False)
+
+
+def test_spider_attribute_and_setting_merge_with_precedence() -> None:
+    cfg = config(
+        spider_rates={
+            "shop.example": "5/s",
+            "api.example": {"rate": "100/m", "burst": 10},
+            "*.cdn.example": "20/s",
+            "free.example": None,
+        },
+        REDIS_THROTTLE_RATES={"shop.example": "1/s", "other.example": "3/m"},
+        REDIS_THROTTLE_DEFAULT_RATE="2/s",
+        REDIS_THROTTLE_DEFAULT_BURST=3,
+    )
+    lookup = cfg.limits.lookup
+    assert lookup("shop.example") == Limit(5, 3, "5/s"), "the spider attribute wins"
+    assert lookup("SHOP.example") == Limit(5, 3, "5/s"), "host names are case-insensitive"
+    assert lookup("other.example") == Limit(0.05, 3, "3/m"), "setting entries are kept"
+    assert lookup("api.example") == Limit(100 / 60, 10, "100/m")
+    assert lookup("img.cdn.example") == Limit(20, 3, "20/s")
+    assert lookup("a.b.cdn.example") == Limit(20, 3, "20/s")
+    assert lookup("cdn.example") == Limit(2, 3, "2/s"), "a wildcard does not match its base"
+    assert lookup("free.example") is None
+    assert lookup("unknown.example") == Limit(2, 3, "2/s")
+
+
+def test_exact_beats_wildcard_and_longest_wildcard_wins() -> None:
+    cfg = config(
+        spider_rates={
+            "*.example": "1/s",
+            "*.cdn.example": "2/s",
+            "img.cdn.example": "3/s",
+        }
+    )
+    assert cfg.limits.lookup("img.cdn.example").rate == 3  # type: ignore[union-attr]
+    assert cfg.limits.lookup("js.cdn.example").rate == 2  # type: ignore[union-attr]
+    assert cfg.limits.lookup("www.example").rate == 1  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("unlimited", [None, "unlimited", "Unlimited "])
+def test_unlisted_domains_can_be_left_unthrottled(unlimited: object) -> None:
+    cfg = config(spider_rates={"shop.example": "1/s"}, REDIS_THROTTLE_DEFAULT_RATE=unlimited)
+    assert cfg.limits.lookup("other.example") is None
+    assert cfg.limits.lookup("shop.example") is not None
+
+
+def test_settings_from_the_command_line_are_strings() -> None:
+    cfg = config(
+        REDIS_THROTTLE_RATES='{"shop.example": {"rate": "2/s", "burst": 4}}',
+        REDIS_THROTTLE_DEFAULT_RATE="3",
+        REDIS_THROTTLE_DEFAULT_BURST="2",
+        REDIS_THROTTLE_MAX_CONNECTIONS="8",
+    )
+    assert cfg.limits.lookup("shop.example") == Limit(2, 4, "2/s")
+    assert str(cfg.limits.lookup("other.example")) == "3/s (burst 2)"
+    assert cfg.max_connections == 8
+
+
+def test_describe_lists_effective_limits() -> None:
+    cfg = config(spider_rates={"a.example": "5/s", "*.b.example": None})
+    assert cfg.limits.describe() == [
+        "a.example: 5/s (burst 1)",
+        "*.b.example: unlimited",
+        "other domains: 1/s (burst 1)",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"REDIS_THROTTLE_DEFAULT_RATE": "fast"}, "REDIS_THROTTLE_DEFAULT_RATE: invalid rate 'fast'"),
+        ({"REDIS_THROTTLE_DEFAULT_RATE": 0}, "REDIS_THROTTLE_DEFAULT_RATE: rate must be positive"),
+        ({"REDIS_THROTTLE_DEFAULT_BURST": 0}, "REDIS_THROTTLE_DEFAULT_BURST: burst must be an integer >= 1, got 0"),
+        ({"REDIS_THROTTLE_DEFAULT_BURST": 1.5}, "burst must be an integer >= 1, got 1.5"),
+        ({"REDIS_THROTTLE_RATES": "not json"}, "REDIS_THROTTLE_RATES must be a dict, got 'not json'"),
+        ({"REDIS_THROTTLE_RATES": {"a.example": "x"}}, r"REDIS_THROTTLE_RATES\['a.example'\]: invalid rate 'x'"),
+        ({"REDIS_THROTTLE_RATES": {"a.example": {"rate": "1/s", "brust": 2}}}, r"unknown key\(s\) \['brust'\]"),
+        ({"REDIS_THROTTLE_RATES": {"a.example": {"burst": 2}}}, "has no 'rate'"),
+        ({"REDIS_THROTTLE_RATES": {"a.example": {"rate": "1/s", "burst": 0}}}, "burst must be an integer >= 1, got 0"),
+        ({"REDIS_THROTTLE_RATES": {"a.*.example": "1/s"}}, "invalid domain pattern 'a.*.example'"),
+        ({"REDIS_THROTTLE_RATES": {"*": "1/s"}}, "invalid domain pattern '\\*'"),
+        ({"REDIS_THROTTLE_RATES": {"": "1/s"}}, "invalid domain pattern ''"),
+        ({"REDIS_THROTTLE_RATES": {"http://a.example/": "1/s"}}, "invalid domain pattern"),
+        ({"REDIS_THROTTLE_KEY_PREFIX": ""}, "REDIS_THROTTLE_KEY_PREFIX must be a non-empty string"),
+        ({"REDIS_THROTTLE_KEY_PREFIX": "a{b"}, "REDIS_THROTTLE_KEY_PREFIX must be a non-empty string without"),
+        ({"REDIS_THROTTLE_MAX_CONNECTIONS": 0}, "REDIS_THROTTLE_MAX_CONNECTIONS: the value must be an integer >= 1, got 0"),
+        ({"REDIS_THROTTLE_URL": "http://localhost"}, "REDIS_THROTTLE_URL must be a redis://, rediss:// or unix:// URL, got 'http://localhost'"),
+        ({"REDIS_URL": "localhost:6379"}, "REDIS_URL must be a redis://"),
+        ({"REDIS_THROTTLE_PARAMS": "[1]"}, "REDIS_THROTTLE_PARAMS must be a dict"),
+    ],
+)  # fmt: skip
+def test_invalid_settings_name_the_setting_and_value(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ThrottleConfigError, match=message):
+        config(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("spider_rates", "message"),
+    [
+        (["shop.example"], "spider attribute redis_throttle_rates must be a dict"),
+        ({"shop.example": "5/x"}, r"spider attribute redis_throttle_rates\['shop.example'\]: invalid rate"),
+        ({3: "1/s"}, "invalid domain pattern 3"),
+    ],
+)  # fmt: skip
+def test_invalid_spider_attribute(spider_rates: object, message: str) -> None:
+    with pytest.raises(ThrottleConfigError, match=message):
+        config(spider_rates=spider_rates)
+
+
+def test_redis_connection_follows_scrapy_redis_settings() -> None:
+    cfg = config(
+        REDIS_URL="redis://shared:6379/2",
+        REDIS_PARAMS={"socket_timeout": 30, "redis_cls": "redis.StrictRedis", "password": "p"},
+    )
+    assert cfg.redis_url == "redis://shared:6379/2"
+    assert cfg.redis_params == {"socket_timeout": 30, "socket_connect_timeout": 5, "password": "p"}
+
+    cfg = config(
+        REDIS_URL="redis://shared:6379/2",
+        REDIS_THROTTLE_URL="rediss://throttle:6380/1",
+        REDIS_PARAMS={"socket_timeout": 30},
+        REDIS_THROTTLE_PARAMS={"socket_timeout": 1},
+    )
+    assert cfg.redis_url == "rediss://throttle:6380/1"
+    assert cfg.redis_params["socket_timeout"] == 1
+
+    cfg = config(REDIS_HOST="h", REDIS_PORT=7000, REDIS_DB=3)
+    assert cfg.redis_url == "redis://h:7000/3"
+
+
+def test_config_is_frozen() -> None:
+    cfg = config()
+    with pytest.raises(AttributeError):
+        cfg.key_prefix = "x"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://localhost:6379/0", "redis://localhost:6379/0"),
+        ("redis://:secret@host:6379/0", "redis://:***@host:6379/0"),
+        ("rediss://user:secret@host:6379/0", "rediss://user:***@host:6379/0"),
+    ],
+)
+def test_passwords_are_not_logged(url: str, shown: str) -> None:
+    assert redact_url(url) == shown

@@ -1,0 +1,323 @@
+"""Real Scrapy crawls of a real multi-host HTTP site, paced through a real redis-server.
+
+Pacing is measured where it matters: at the server, from the arrival time of each request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+from demo_site import DemoSite
+from local_redis import RedisServer
+from scrapy.crawler import CrawlerRunner
+from scrapy.utils.defer import maybe_deferred_to_future
+from support import (
+    HOSTS,
+    UrlListSpider,
+    achieved_rate,
+    assert_paced,
+    async_test,
+    crawl_settings,
+    run_crawl,
+    wait_until,
+)
+
+from scrapy_redis_throttle import Addon, RedisThrottleMiddleware, ThrottleConfigError
+
+A, B, C = HOSTS
+WORKER = Path(__file__).with_name("crawl_worker.py")
+
+
+def pages(
+    site: DemoSite, host: str, count: int, first: int = 0, **meta: Any
+) -> list[dict[str, Any]]:
+    return [
+        {"url": site.url(host, f"/page/{n}"), "meta": meta} for n in range(first, first + count)
+    ]
+
+
+def times(site: DemoSite, host: str) -> list[float]:
+    return [arrival.time for arrival in site.arrivals(host)]
+
+
+@async_test
+async def test_two_domains_are_paced_at_their_own_rates(
+    redis_server: RedisServer, site: DemoSite
+) -> None:
+    # ~4 s at 5/s and 2/s, burst 1, interleaved in one crawl.
+    requests = pages(site, A, 21) + pages(site, B, 9)
+    requests = sorted(requests, key=lambda r: int(r["url"].rsplit("/", 1)[1]))
+    crawler = await run_crawl(
+        crawl_settings(redis_server.url),
+        requests,
+        redis_throttle_rates={A: "5/s", B: {"rate": "2/s", "burst": 1}},
+    )
+
+    assert len(site.arrivals(A)) == 21
+    assert len(site.arrivals(B)) == 9
+    for host, rate in ((A, 5.0), (B, 2.0)):
+        assert_paced(times(site, host), rate=rate, burst=1, what=host)
+        achieved = achieved_rate(times(site, host), burst=1)
+        assert achieved >= 0.9 * rate, f"{host}: {achieved:.2f}/s achieved, limit {rate}/s"
+    stats = crawler.stats.get_stats()
+    assert stats["test/responses"] == 30
+    assert stats["redis_throttle/requests"] == 30
+    assert stats["redis_throttle/allowed_immediately"] == 2, "one request per domain, the burst"
+    assert stats["redis_throttle/delayed"] == 28
+    assert 3.5 < stats["redis_throttle/wait_time_max"] < 5
+    assert stats["redis_throttle/wait_time_total"] > stats["redis_throttle/wait_time_max"]
+    assert stats["redis_throttle/redis_calls"] >= 30
+
+
+@async_test
+async def test_skipped_and_unthrottled_requests_do_not_wait(
+    redis_server: RedisServer, site: DemoSite
+) -> None:
+    # A allows one request an hour: any other throttled request to A would wait an hour.
+    requests = (
+        pages(site, A, 1) + pages(site, A, 5, first=1, dont_redis_throttle=True) + pages(site, B, 5)
+    )
+    crawler = await run_crawl(
+        crawl_settings(redis_server.url, CLOSESPIDER_TIMEOUT=20),
+        requests,
+        redis_throttle_rates={A: "1/h", B: None},
+    )
+    stats = crawler.stats.get_stats()
+    assert stats.get("finish_reason") == "finished", "nothing waited for A's next token"
+    assert len(site.arrivals(A)) == 6
+    assert len(site.arrivals(B)) == 5
+    assert stats["redis_throttle/requests"] == 1
+    assert stats["redis_throttle/skipped"] == 5
+    assert stats["redis_throttle/unthrottled"] == 5
+    assert "redis_throttle/delayed" not in stats
+
+
+@async_test
+async def test_meta_key_shares_a_budget_and_meta_cost_spends_tokens(
+    redis_server: RedisServer, site: DemoSite
+) -> None:
+    # A and B share the key "group" at 4/s burst 2; every request to B costs 2 tokens.
+    requests = pages(site, A, 6, redis_throttle_key="group") + pages(
+        site, B, 3, redis_throttle_key="group", redis_throttle_cost=2
+    )
+    crawler = await run_crawl(
+        crawl_settings(redis_server.url, REDIS_THROTTLE_DEFAULT_RATE="unlimited"),
+        requests,
+        redis_throttle_rates={"group": {"rate": "4/s", "burst": 2}},
+    )
+    assert crawler.stats.get_value("test/responses") == 9
+    # 12 tokens in all at 4/s with 2 up front: the last request goes 2.5 s after the first.
+    arrivals = sorted(times(site, A) + times(site, B))
+    assert arrivals[-1] - arrivals[0] >= 2.5 - 0.1
+    with redis_server.client() as client:
+        assert client.keys("*") in ([b"redis_throttle:{group}:bucket"], [])
+
+
+@async_test
+async def test_invalid_meta_fails_only_that_request(
+    redis_server: RedisServer, site: DemoSite
+) -> None:
+    requests = (
+        pages(site, A, 1, redis_throttle_cost=-1)
+        + pages(site, A, 1, first=1, redis_throttle_cost=5)  # more than the burst of 2
+        + pages(site, A, 1, first=2, redis_throttle_key="")
+        + pages(site, A, 3, first=3)
+    )
+    crawler = await run_crawl(
+        crawl_settings(redis_server.url),
+        requests,
+        redis_throttle_rates={A: {"rate": "50/s", "burst": 2}},
+    )
+    stats = crawler.stats.get_stats()
+    assert stats["redis_throttle/invalid_meta"] == 3
+    assert stats["test/failures/ThrottleConfigError"] == 3
+    assert stats["test/responses"] == 3
+    assert sorted(a.path for a in site.arrivals(A)) == ["/page/3", "/page/4", "/page/5"]
+
+
+def test_two_crawler_processes_share_one_budget(redis_server: RedisServer, site: DemoSite) -> None:
+    """Two OS processes, 10 requests each to A at 4/s: together, not each, at 4/s."""
+    workers = []
+    for index in range(2):
+        job = {
+            "settings": crawl_settings(redis_server.url, LOG_LEVEL="INFO"),
+            "requests": pages(site, A, 10, first=10 * index),
+            "spider_attributes": {
+                "redis_throttle_rates": {A: "4/s"},
+                "barrier": {"redis_url": redis_server.url, "key": "test:barrier"},
+            },
+        }
+        workers.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), json.dumps(job)],
+                cwd=WORKER.parent,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    with redis_server.client() as client:
+        wait_until(lambda: client.llen("test:barrier:ready") == 2, 60, "both workers ready")
+        client.rpush("test:barrier:go", 1, 1)
+    outputs = [worker.communicate(timeout=60) for worker in workers]
+    for worker, (stdout, stderr) in zip(workers, outputs, strict=True):
+        assert worker.returncode == 0, stderr[-3000:]
+        stats = json.loads(stdout.strip().splitlines()[-1].removeprefix("STATS "))
+        assert stats["test/responses"] == 10
+
+    arrivals = site.arrivals(A)
+    assert len(arrivals) == 20
+    first_half = [a.time for a in arrivals if int(a.path.rsplit("/", 1)[1]) < 10]
+    second_half = [a.time for a in arrivals if int(a.path.rsplit("/", 1)[1]) >= 10]
+    assert min(max(first_half), max(second_half)) > max(min(first_half), min(second_half)), (
+        "the two workers crawled at the same time"
+    )
+    assert_paced(times(site, A), rate=4, burst=1, what="A, both workers together")
+    assert achieved_rate(times(site, A), burst=1) >= 0.9 * 4
+
+
+@async_test
+async def test_requests_wait_for_redis_to_come_back(
+    own_redis: RedisServer, site: DemoSite, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="scrapy_redis_throttle")
+    runner = CrawlerRunner(crawl_settings(own_redis.url))
+    crawler = runner.create_crawler(UrlListSpider)
+    crawl = runner.crawl(crawler, requests=pages(site, A, 10), redis_throttle_rates={A: "10/s"})
+
+    await _wait_async(lambda: len(site.arrivals(A)) >= 3, "3 arrivals before Redis is stopped")
+    own_redis.stop()
+    stats = crawler.stats
+    await _wait_async(
+        lambda: stats.get_value("redis_throttle/redis_errors/ConnectionError", 0) >= 3,
+        "requests to notice that Redis is gone",
+    )
+    arrived_while_down = len(site.arrivals(A))
+    own_redis.start()
+    await maybe_deferred_to_future(crawl)
+
+    assert arrived_while_down < 10, "nothing unthrottled went while Redis was down"
+    assert sorted(a.path for a in site.arrivals(A)) == sorted(f"/page/{n}" for n in range(10))
+    assert stats.get_value("test/responses") == 10
+    messages = [
+        r.getMessage() for r in caplog.records if r.name.startswith("scrapy_redis_throttle")
+    ]
+    assert sum("is unreachable" in m for m in messages) == 1, messages
+    assert sum("is reachable again" in m for m in messages) == 1, messages
+
+
+async def _wait_async(predicate: Any, message: str, timeout: float = 30) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {message}")
+        await asyncio.sleep(0.02)
+
+
+@async_test
+async def test_start_up_log_and_delay_debug_lines(
+    redis_server: RedisServer, site: DemoSite, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="scrapy_redis_throttle")
+    await run_crawl(
+        crawl_settings("redis://:s3cret@127.0.0.1:1/0", REDIS_THROTTLE_URL=redis_server.url),
+        pages(site, A, 2),
+        redis_throttle_rates={A: "20/s", "*.cdn.example": {"rate": "1/m", "burst": 5}},
+    )
+    messages = [
+        r.getMessage() for r in caplog.records if r.name.startswith("scrapy_redis_throttle")
+    ]
+    start = next(m for m in messages if m.startswith("Redis throttle: shared limits"))
+    assert redis_server.url in start
+    assert f"{A}: 20/s (burst 1)" in start
+    assert "*.cdn.example: 1/m (burst 5)" in start
+    assert "other domains: 1/s (burst 1)" in start
+    delays = [m for m in messages if " waits " in m]
+    assert len(delays) == 1
+    assert "/page/1> waits 0.0" in delays[0] or "/page/0> waits 0.0" in delays[0]
+    assert f"for {A} (20/s (burst 1))" in delays[0]
+
+
+@async_test
+async def test_invalid_configuration_stops_the_crawl(
+    redis_server: RedisServer, site: DemoSite
+) -> None:
+    with pytest.raises(
+        ThrottleConfigError, match=r"redis_throttle_rates\['a.example'\]: invalid rate"
+    ):
+        await run_crawl(
+            crawl_settings(redis_server.url),
+            pages(site, A, 1),
+            redis_throttle_rates={"a.example": "5/x"},
+        )
+    assert site.arrivals() == []
+
+
+def test_other_reactors_fail_at_start_up_with_a_clear_message(
+    redis_server: RedisServer, site: DemoSite
+) -> None:
+    job = {
+        "settings": crawl_settings(
+            redis_server.url, TWISTED_REACTOR="twisted.internet.epollreactor.EPollReactor"
+        ),
+        "requests": pages(site, A, 1),
+    }
+    result = subprocess.run(
+        [sys.executable, str(WORKER), json.dumps(job)],
+        cwd=WORKER.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "scrapy-redis-throttle needs the asyncio reactor" in result.stderr
+    assert "EPollReactor" in result.stderr
+    assert site.arrivals() == []
+
+
+def test_addon_adds_the_middleware_without_overriding_the_user() -> None:
+    from scrapy.settings import Settings
+
+    settings = Settings({"ADDONS": {Addon: 100}})
+    settings_with_user_choice = Settings(
+        {
+            "ADDONS": {Addon: 100},
+            "DOWNLOADER_MIDDLEWARES": {"scrapy_redis_throttle.RedisThrottleMiddleware": 123},
+        }
+    )
+    for s in (settings, settings_with_user_choice):
+        from scrapy.addons import AddonManager
+        from scrapy.crawler import Crawler
+
+        AddonManager(Crawler(UrlListSpider, s)).load_settings(s)
+    assert settings.getdict("DOWNLOADER_MIDDLEWARES") == {RedisThrottleMiddleware: 950}
+    assert settings_with_user_choice.getdict("DOWNLOADER_MIDDLEWARES") == {
+        "scrapy_redis_throttle.RedisThrottleMiddleware": 123
+    }
+
+
+@async_test
+async def test_addon_enables_throttling_in_a_crawl_without_deprecation_warnings(
+    redis_server: RedisServer, site: DemoSite
+) -> None:
+    settings = crawl_settings(redis_server.url, ADDONS={"scrapy_redis_throttle.Addon": 500})
+    del settings["DOWNLOADER_MIDDLEWARES"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        crawler = await run_crawl(settings, pages(site, A, 3), redis_throttle_rates={A: "10/s"})
+    ours = [
+        w
+        for w in caught
+        if "scrapy_redis_throttle" in w.filename or "RedisThrottle" in str(w.message)
+    ]
+    assert ours == [], [str(w.message) for w in ours]
+    assert crawler.stats.get_value("redis_throttle/requests") == 3
+    assert crawler.stats.get_value("redis_throttle/delayed") == 2

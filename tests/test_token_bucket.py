@@ -1,0 +1,168 @@
+"""The Lua token bucket, run in a real redis-server.
+
+Exact expectations use the fact that the script only moves with Redis's clock: between two calls
+the bucket can have refilled at most ``rate x elapsed`` tokens, where ``elapsed`` is measured around
+the calls, so every bound below holds whatever the machine's load.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from local_redis import RedisServer
+from support import async_test, wait_until
+
+from scrapy_redis_throttle.bucket import TokenBucket, bucket_key, load_script
+from scrapy_redis_throttle.config import Limit
+
+KEY = "test:{example.com}:bucket"
+
+
+class Bucket:
+    """Calls the script the way the middleware does, with a synchronous client."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self.script = client.register_script(load_script("token_bucket.lua"))
+
+    def call(
+        self, rate: float, burst: Any, cost: Any = 1, key: str = KEY
+    ) -> tuple[bool, float, float, float]:
+        reply = self.script(keys=[key], args=[repr(1e6 / rate), burst, cost])
+        allowed, tokens, retry_ms, reset_ms = reply
+        return int(allowed) == 1, float(tokens), float(retry_ms), float(reset_ms)
+
+    def call_raw(self, *args: Any) -> Any:
+        return self.script(keys=[KEY], args=list(args))
+
+
+@pytest.fixture
+def bucket(redis_server: RedisServer) -> Iterator[Bucket]:
+    with redis_server.client() as client:
+        yield Bucket(client)
+
+
+def test_burst_then_refuse_with_exact_wait(bucket: Bucket) -> None:
+    started = time.monotonic()
+    results = [bucket.call(rate=10, burst=3) for _ in range(4)]
+    elapsed = time.monotonic() - started
+    refill = 10 * elapsed  # tokens that may have come back meanwhile
+
+    assert [r[0] for r in results] == [True, True, True, False]
+    for expected, (_, tokens, _, _) in zip([2, 1, 0], results, strict=False):
+        assert expected <= tokens <= expected + refill
+    _, tokens, retry_ms, reset_ms = results[3]
+    assert 0 <= tokens < 1
+    # One token takes 100 ms to come back; part of it may already have.
+    assert 100 - 1000 * elapsed <= retry_ms <= 100
+    assert 300 - 1000 * elapsed <= reset_ms <= 300
+
+
+def test_refills_at_the_configured_rate(bucket: Bucket) -> None:
+    bucket.call(rate=20, burst=2)
+    bucket.call(rate=20, burst=2)
+    allowed, _, retry_ms, _ = bucket.call(rate=20, burst=2)
+    assert not allowed
+    time.sleep(retry_ms / 1000)  # exactly the wait the script asked for
+    allowed, tokens, _, _ = bucket.call(rate=20, burst=2)
+    assert allowed, "a request must go once the returned wait has passed"
+    assert tokens < 1
+    assert not bucket.call(rate=20, burst=2)[0], "only one token came back"
+
+
+def test_cost_takes_several_tokens(bucket: Bucket) -> None:
+    started = time.monotonic()
+    allowed, tokens, _, _ = bucket.call(rate=1, burst=10, cost=4)
+    assert allowed
+    assert 6 <= tokens <= 6 + (time.monotonic() - started)
+    allowed, tokens, retry_ms, _ = bucket.call(rate=1, burst=10, cost=7)
+    elapsed = time.monotonic() - started
+    assert not allowed, "7 tokens asked, about 6 left"
+    assert 6 <= tokens <= 6 + elapsed
+    assert 1000 - 1000 * elapsed <= retry_ms <= 1000
+    assert bucket.call(rate=1, burst=10, cost=6)[0], "what is left can still be taken"
+
+
+def test_rates_below_one_per_second(bucket: Bucket) -> None:
+    assert bucket.call(rate=0.1, burst=1)[0]  # "1/10s"
+    allowed, _, retry_ms, _ = bucket.call(rate=0.1, burst=1)
+    assert not allowed
+    assert 9_000 < retry_ms <= 10_000
+    assert bucket.call(rate=1 / 3600, burst=1, key="test:{hourly}:bucket")[0]  # "1/h"
+    allowed, _, retry_ms, reset_ms = bucket.call(rate=1 / 3600, burst=1, key="test:{hourly}:bucket")
+    assert not allowed
+    assert 3_599_000 < retry_ms <= 3_600_000
+    assert 3_599_000 < reset_ms <= 3_600_000
+
+
+def test_high_rates_are_exact_to_the_microsecond(bucket: Bucket) -> None:
+    assert bucket.call(rate=5000, burst=1)[0]
+    allowed, _, retry_ms, _ = bucket.call(rate=5000, burst=1)
+    # Either the 200 µs token already came back, or the wait is at most 0.2 ms.
+    assert allowed or 0 < retry_ms <= 0.2
+
+
+def test_state_expires_when_the_bucket_is_full_again(bucket: Bucket) -> None:
+    bucket.call(rate=1, burst=5)
+    pttl = bucket.client.pttl(KEY)
+    assert 0 < pttl <= 1000, "one token taken: full again within a second"
+    assert bucket.client.keys("*") == [KEY.encode()], "the script touches only its key"
+
+    bucket.call(rate=50, burst=1)  # 20 ms to refill
+    wait_until(
+        lambda: bucket.client.exists(KEY) == 0, timeout=5, message="idle bucket key to expire"
+    )
+
+
+def test_refused_call_changes_nothing(bucket: Bucket) -> None:
+    bucket.call(rate=0.1, burst=1)
+    before = bucket.client.get(KEY)
+    assert not bucket.call(rate=0.1, burst=1)[0]
+    assert bucket.client.get(KEY) == before
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("0", "1", "1"), "interval must be a positive finite number, got 0"),
+        (("-5", "1", "1"), "interval must be a positive finite number"),
+        (("nan", "1", "1"), "interval must be a positive finite number"),
+        (("1e999", "1", "1"), "interval must be a positive finite number"),
+        (("abc", "1", "1"), "interval must be a positive finite number, got abc"),
+        (("1000", "0", "1"), "burst must be a finite number >= 1, got 0"),
+        (("1000", "0.5", "0.5"), "burst must be a finite number >= 1, got 0.5"),
+        (("1000", "1", "0"), "cost must be a positive finite number, got 0"),
+        (("1000", "1", "-1"), "cost must be a positive finite number"),
+        (("1000", "2", "3"), "cost 3 exceeds burst 2"),
+    ],
+)
+def test_invalid_arguments_are_refused(bucket: Bucket, args: tuple[str, ...], message: str) -> None:
+    with pytest.raises(redis.ResponseError, match=message):
+        bucket.call_raw(*args)
+    assert bucket.client.exists(KEY) == 0
+
+
+@async_test
+async def test_token_bucket_client(redis_server: RedisServer) -> None:
+    from redis.asyncio import Redis
+
+    client = Redis.from_url(redis_server.url)
+    try:
+        bucket = TokenBucket(client, key_prefix="ns")
+        limit = Limit(rate=2, burst=2, text="2/s")
+        first = await bucket.acquire("shop.example", limit)
+        assert first.allowed
+        assert first.retry_after == 0
+        assert 0.49 < first.reset_after <= 0.5
+        await bucket.acquire("shop.example", limit)
+        third = await bucket.acquire("shop.example", limit)
+        assert not third.allowed
+        assert 0.4 < third.retry_after <= 0.5
+        assert await client.exists(bucket_key("ns", "shop.example")) == 1
+        assert await client.keys("*") == [b"ns:{shop.example}:bucket"]
+    finally:
+        await client.aclose()
