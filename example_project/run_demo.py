@@ -163,6 +163,7 @@ def main() -> int:
     if not loopback_hosts_available(HOSTS):
         print(f"This machine does not route {', '.join(HOSTS)} (Linux does by default).")
         return 1
+    args.output = args.output.resolve()  # the workers run in the project directory
     args.output.mkdir(parents=True, exist_ok=True)
     limits = configured_limits()
     with ExitStack() as stack:
