@@ -15,6 +15,7 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import IO, Any
@@ -30,9 +31,14 @@ class Arrival:
     status: int
 
 
+# Ten links a page: the frontier outgrows what any one worker holds within seconds, so every
+# worker of a fleet finds work, as on a real site.
+LINK_STEPS = (1, 2, 3, 5, 8, 13, 21, 34, 55, 89)
+
+
 def page_links(index: int, pages: int) -> list[int]:
-    """Pages that page *index* links to: a few neighbours, so every page is reachable from /."""
-    return sorted({(index + step) % pages for step in (1, 2, 7) if pages > 1} - {index})
+    """Pages that page *index* links to; every page is reachable from /."""
+    return sorted({(index + step) % pages for step in LINK_STEPS} - {index})
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -53,7 +59,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _page(self) -> tuple[int, str]:
-        pages = self.server.site.pages
+        pages = self.server.site.pages[self.server.host]
         if self.path == "/":
             links = [0] if pages else []
         elif (
@@ -81,13 +87,20 @@ class _HostServer(ThreadingHTTPServer):
 
 
 class DemoSite:
-    """Serve *pages* linked pages on each of *hosts*, all on one port (0 picks a free one)."""
+    """Serve linked pages on each of *hosts*, all on one port (0 picks a free one).
+
+    *pages* is the number of pages of every host, or a dict giving each host's.
+    """
 
     def __init__(
-        self, hosts: list[str], port: int = 0, pages: int = 20, log: IO[str] | None = None
+        self,
+        hosts: list[str],
+        port: int = 0,
+        pages: int | Mapping[str, int] = 20,
+        log: IO[str] | None = None,
     ) -> None:
         self.hosts = hosts
-        self.pages = pages
+        self.pages = dict(pages) if isinstance(pages, Mapping) else dict.fromkeys(hosts, pages)
         self._log = log
         self._lock = threading.Lock()
         self._arrivals: list[Arrival] = []
@@ -131,6 +144,10 @@ class DemoSite:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+    def paths(self, host: str) -> set[str]:
+        """Every path of *host* that answers 200."""
+        return {"/"} | {f"/page/{n}" for n in range(self.pages[host])}
 
     def url(self, host: str, path: str = "/") -> str:
         return f"http://{host}:{self.port}{path}"

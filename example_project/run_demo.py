@@ -1,20 +1,25 @@
-"""The demo: a fleet of scrapy-redis workers crawls a local 3-domain site through one shared budget.
+"""The demo: a fleet of scrapy-redis workers crawls a local 3-domain site, twice.
 
-It starts a private redis-server (unless --redis-url is given), the demo site on 127.0.0.2-4,
-seeds the start URLs, runs --workers ``scrapy crawl shop`` processes for --duration seconds, and
-prints, per domain, the configured limit next to what the site actually received.
+1. "shared budget": the workers use scrapy-redis-throttle, one budget per domain in Redis.
+2. "baseline": the same fleet with the throttle off and plain Scrapy politeness instead: each
+   worker waits the same per-domain interval (DOWNLOAD_SLOTS delay), on its own.
+
+It starts a private redis-server (unless --redis-url is given) and the demo site on 127.0.0.2-4,
+seeds the start URLs, runs --workers ``scrapy crawl shop`` processes for --duration seconds per
+run, and prints, per domain, the configured limit next to what the site actually received. It also
+draws the requests per second of both runs into a PNG chart.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
+from dataclasses import dataclass
 from pathlib import Path
 
 PROJECT = Path(__file__).resolve().parent
@@ -30,21 +35,30 @@ from scrapy_redis_throttle import Limit, ThrottleConfig  # noqa: E402
 
 HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
 PROGRESS_EVERY = 2.0
-WORKER_STOP_TIMEOUT = 15.0
+# After the run's time, a worker gets this long to close cleanly, then as long again after a
+# second SIGINT (Scrapy's forced stop), and is then killed.
+STOP_GRACE = 5.0
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    settings: dict[str, str]
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=3, help="worker processes (default 3)")
-    parser.add_argument("--duration", type=float, default=20.0, help="seconds (default 20)")
-    parser.add_argument("--pages", type=int, default=300, help="pages per domain (default 300)")
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds per run (default 20)")
+    parser.add_argument("--pages", type=int, default=500, help="pages per domain (default 500)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the baseline run")
     parser.add_argument(
         "--redis-url",
         help="use this Redis instead of starting one (its keys shop:* and redis_throttle:* "
         "are deleted first)",
     )
     parser.add_argument(
-        "--output", type=Path, default=Path("demo-output"), help="logs go here (demo-output/)"
+        "--output", type=Path, default=Path("demo-output"), help="where logs go (demo-output/)"
     )
     args = parser.parse_args()
     if args.workers < 1 or args.duration <= 0 or args.pages < 1:
@@ -60,7 +74,23 @@ def configured_limits() -> dict[str, Limit | None]:
     return {host: config.limits.lookup(host) for host in HOSTS}
 
 
-def seed(redis_url: str, site: DemoSite) -> None:
+def runs(limits: dict[str, Limit | None], baseline: bool) -> list[Run]:
+    shared = Run("shared budget", {})
+    # Plain Scrapy: every worker waits the limit's interval between requests to a domain.
+    slots = {host: {"delay": 1 / limit.rate} for host, limit in limits.items() if limit}
+    per_process = Run(
+        "baseline",
+        {
+            "REDIS_THROTTLE_ENABLED": "False",
+            "DOWNLOAD_SLOTS": json.dumps(slots),
+            "RANDOMIZE_DOWNLOAD_DELAY": "False",
+        },
+    )
+    return [shared, per_process] if baseline else [shared]
+
+
+def reset_redis(redis_url: str, site: DemoSite) -> None:
+    """An empty frontier and no buckets, then the start URLs."""
     with redis.Redis.from_url(redis_url) as client:
         for pattern in ("shop:*", "redis_throttle:*"):
             for key in client.scan_iter(pattern):
@@ -69,34 +99,29 @@ def seed(redis_url: str, site: DemoSite) -> None:
 
 
 def start_workers(
-    count: int, redis_url: str, duration: float, output: Path
+    run: Run, count: int, redis_url: str, output: Path
 ) -> list[subprocess.Popen[bytes]]:
+    settings = {"REDIS_URL": redis_url, "LOG_LEVEL": "INFO", **run.settings}
     workers = []
     for index in range(count):
-        log = output / f"worker-{index + 1}.log"
-        command = [
-            sys.executable, "-m", "scrapy", "crawl", "shop",
-            "-s", f"REDIS_URL={redis_url}",
-            "-s", f"CLOSESPIDER_TIMEOUT={duration}",
-            "-s", "LOG_LEVEL=INFO",
-            "-s", f"LOG_FILE={log}",
-        ]  # fmt: skip
+        log = output / f"{run.name.replace(' ', '-')}-worker-{index + 1}.log"
+        command = [sys.executable, "-m", "scrapy", "crawl", "shop", "-s", f"LOG_FILE={log}"]
+        for name, value in settings.items():
+            command += ["-s", f"{name}={value}"]
         # A session of their own, so that Ctrl-C reaches only this script, which stops them.
         workers.append(subprocess.Popen(command, cwd=PROJECT, start_new_session=True))
     return workers
 
 
 def stop_workers(workers: list[subprocess.Popen[bytes]]) -> None:
-    for worker in workers:
-        if worker.poll() is None:
-            worker.send_signal(signal.SIGINT)  # Scrapy's graceful stop
-    deadline = time.monotonic() + WORKER_STOP_TIMEOUT
-    for worker in workers:
-        try:
-            worker.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait()
+    for attempt in ("SIGINT", "SIGINT again", "SIGKILL"):
+        running = [w for w in workers if w.poll() is None]
+        for worker in running:
+            worker.send_signal(signal.SIGKILL if attempt == "SIGKILL" else signal.SIGINT)
+        deadline = time.monotonic() + STOP_GRACE
+        for worker in running:
+            with suppress(subprocess.TimeoutExpired):
+                worker.wait(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def busiest_window(times: list[float], window: float) -> int:
@@ -109,53 +134,126 @@ def busiest_window(times: list[float], window: float) -> int:
     return best
 
 
-def show_progress(site: DemoSite, started: float, last: dict[str, int]) -> None:
-    parts = []
-    for host in HOSTS:
-        count = len(site.arrivals(host))
-        parts.append(f"{host}: {count:4d} ({(count - last.get(host, 0)) / PROGRESS_EVERY:4.1f}/s)")
-        last[host] = count
-    print(f"  {time.monotonic() - started:5.1f} s   " + "   ".join(parts), flush=True)
+def crawl(run: Run, args: argparse.Namespace, redis_url: str) -> dict[str, list[float]]:
+    """One run of the fleet; returns each host's arrival times, in seconds from the start."""
+    log_name = f"arrivals-{run.name.replace(' ', '-')}.jsonl"
+    with (
+        (args.output / log_name).open("w") as log,
+        DemoSite(HOSTS, pages=args.pages, log=log) as site,
+    ):
+        reset_redis(redis_url, site)
+        print(f"\n== {run.name}: {args.workers} workers for {args.duration:g} s ==")
+        workers = start_workers(run, args.workers, redis_url, args.output)
+        started = time.monotonic()
+        try:
+            last = dict.fromkeys(HOSTS, 0)
+            while time.monotonic() - started < args.duration:
+                time.sleep(PROGRESS_EVERY)  # the pace of the progress lines, not a synchronisation
+                counts = {host: len(site.arrivals(host)) for host in HOSTS}
+                print(
+                    f"  {time.monotonic() - started:5.1f} s  "
+                    + "  ".join(
+                        f"{h}: {counts[h]:4d} ({(counts[h] - last[h]) / PROGRESS_EVERY:4.1f}/s)"
+                        for h in HOSTS
+                    ),
+                    flush=True,
+                )
+                last = counts
+                if all(w.poll() is not None for w in workers):
+                    print(f"  all workers exited: see {args.output}/*-worker-*.log")
+                    break
+        finally:
+            stop_workers(workers)
+        return {
+            h: sorted(a.time - started for a in site.arrivals(h) if a.status == 200) for h in HOSTS
+        }
 
 
 def report(
-    site: DemoSite, limits: dict[str, Limit | None], workers: int
+    results: dict[str, dict[str, list[float]]], limits: dict[str, Limit | None], workers: int
 ) -> list[dict[str, object]]:
-    print(f"\nWhat the site received from {workers} workers sharing one budget per domain:\n")
+    print(f"\nWhat the site received from {workers} workers, per domain and run:\n")
     header = (
-        f"{'domain':<11} {'limit':<18} {'requests':>8} {'achieved':>10} "
-        f"{'busiest 1 s':>12} {'(max)':>6} {'busiest 10 s':>13} {'(max)':>6}"
+        f"{'domain':<10} {'limit':<15} {'run':<14} {'requests':>8} {'achieved':>9} "
+        f"{'x limit':>7} {'busiest 1 s':>11} {'(max)':>5} {'busiest 10 s':>12} {'(max)':>5}"
     )
     print(header)
     print("-" * len(header))
-    rows = []
+    rows: list[dict[str, object]] = []
     for host in HOSTS:
-        times = sorted(a.time for a in site.arrivals(host) if a.status == 200)
         limit = limits[host]
-        burst = limit.burst if limit else 0
-        span = times[-1] - times[0] if len(times) > 1 else 0.0
-        achieved = (len(times) - burst) / span if span > 0 else 0.0
-        row = {
-            "domain": host,
-            "limit": str(limit) if limit else "unlimited",
-            "requests": len(times),
-            "achieved_per_s": round(achieved, 3),
-            "busiest_1s": busiest_window(times, 1.0),
-            "max_1s": round(burst + limit.rate * 1, 2) if limit else None,
-            "busiest_10s": busiest_window(times, 10.0),
-            "max_10s": round(burst + limit.rate * 10, 2) if limit else None,
-        }
-        rows.append(row)
-        print(
-            f"{host:<11} {row['limit']:<18} {len(times):>8} {achieved:>8.2f}/s "
-            f"{row['busiest_1s']:>12} {row['max_1s']!s:>6} {row['busiest_10s']:>13} "
-            f"{row['max_10s']!s:>6}"
-        )
+        assert limit is not None, "the demo spider limits every demo domain"
+        for run_name, arrivals in results.items():
+            times = arrivals[host]
+            # Rate after the first burst, over the busy period.
+            span = times[-1] - times[0] if len(times) > 1 else 0.0
+            achieved = (len(times) - limit.burst) / span if span > 0 else 0.0
+            row = {
+                "domain": host,
+                "limit": str(limit),
+                "run": run_name,
+                "requests": len(times),
+                "achieved_per_s": round(achieved, 3),
+                "times_limit": round(achieved / limit.rate, 2),
+                "busiest_1s": busiest_window(times, 1.0),
+                "max_1s": round(limit.burst + limit.rate * 1, 1),
+                "busiest_10s": busiest_window(times, 10.0),
+                "max_10s": round(limit.burst + limit.rate * 10, 1),
+            }
+            rows.append(row)
+            first = run_name == next(iter(results))
+            print(
+                f"{host if first else '':<10} {str(limit) if first else '':<15} {run_name:<14} "
+                f"{row['requests']:>8} {achieved:>7.2f}/s {row['times_limit']:>6}x "
+                f"{row['busiest_1s']:>11} {row['max_1s']:>5} {row['busiest_10s']:>12} "
+                f"{row['max_10s']:>5}"
+            )
     print(
-        "\n'achieved' is requests per second after the first burst, over the busy period; "
-        "'(max)' is what the limit allows in that window (burst + rate x window)."
+        "\n'achieved': requests per second after the first burst, over the busy period; "
+        "'(max)': what the limit\nallows in that window (burst + rate x window)."
     )
     return rows
+
+
+def rate_series(
+    times: list[float], end: float, window: float = 5.0
+) -> tuple[list[float], list[float]]:
+    """Requests per second over the last *window* seconds, every 0.5 s up to *end*."""
+    xs = [step / 2 for step in range(int(end * 2) + 1)]
+    return xs, [sum(x - window < t <= x for t in times) / window for x in xs]
+
+
+def chart(
+    results: dict[str, dict[str, list[float]]], limits: dict[str, Limit | None], path: Path
+) -> bool:
+    """Requests per second per domain over time, one panel per run, with each limit dashed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib is not installed: no chart)")
+        return False
+    figure, axes = plt.subplots(
+        1, len(results), figsize=(6 * len(results), 4), sharey=True, squeeze=False
+    )
+    for axis, (run_name, arrivals) in zip(axes[0], results.items(), strict=True):
+        end = max((t[-1] for t in arrivals.values() if t), default=0.0)
+        for index, host in enumerate(HOSTS):
+            color = f"C{index}"
+            axis.plot(*rate_series(arrivals[host], end), color=color, label=host)
+            limit = limits[host]
+            if limit is not None:
+                axis.axhline(limit.rate, color=color, linestyle="--", linewidth=1)
+        axis.set_title(f"{run_name}")
+        axis.set_xlabel("seconds since the workers started")
+        axis.grid(alpha=0.3)
+    axes[0][0].set_ylabel("requests/s over the last 5 s (dashed: limit)")
+    axes[0][-1].legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    return True
 
 
 def main() -> int:
@@ -175,35 +273,23 @@ def main() -> int:
                 print(exc)
                 return 1
             print(f"Started a private redis-server at {redis_url}")
-        arrivals_log = stack.enter_context((args.output / "arrivals.jsonl").open("w"))
-        site = stack.enter_context(DemoSite(HOSTS, pages=args.pages, log=arrivals_log))
-        print(f"Demo site: {', '.join(site.url(host) for host in HOSTS)} ({args.pages} pages each)")
-        print("Limits:  " + "   ".join(f"{h}: {limits[h] or 'unlimited'}" for h in HOSTS))
-        seed(redis_url, site)
-
-        workers = start_workers(args.workers, redis_url, args.duration, args.output)
-        stack.callback(stop_workers, workers)
-        print(f"Running {args.workers} workers for {args.duration:g} s (logs: {args.output}/)\n")
-        started = time.monotonic()
-        last: dict[str, int] = {}
+        print("Limits: " + "   ".join(f"{h}: {limits[h] or 'unlimited'}" for h in HOSTS))
+        results = {}
         try:
-            while any(worker.poll() is None for worker in workers):
-                time.sleep(PROGRESS_EVERY)  # the pace of the progress lines, not a synchronisation
-                show_progress(site, started, last)
+            for run in runs(limits, baseline=not args.no_baseline):
+                results[run.name] = crawl(run, args, redis_url)
         except KeyboardInterrupt:
-            print("\nInterrupted: stopping the workers.")
-            stop_workers(workers)
-        rows = report(site, limits, args.workers)
-        failed = [w.returncode for w in workers if w.returncode not in (0, -signal.SIGINT)]
-        if failed:
-            print(f"\nSome workers failed (exit codes {failed}): see {args.output}/worker-*.log")
-        (args.output / "summary.json").write_text(json.dumps(rows, indent=2))
-        print(
-            f"Arrival log: {args.output / 'arrivals.jsonl'}; table: {args.output / 'summary.json'}"
-        )
-        return 1 if failed else 0
+            print("\nInterrupted: the workers were stopped.")
+            if not results:
+                return 130
+    rows = report(results, limits, args.workers)
+    (args.output / "summary.json").write_text(json.dumps(rows, indent=2))
+    print(f"\nTable: {args.output / 'summary.json'}; arrival logs: {args.output}/arrivals-*.jsonl")
+    chart_path = args.output / "requests-per-second.png"
+    if chart(results, limits, chart_path):
+        print(f"Chart: {chart_path}")
+    return 0
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("SCRAPY_SETTINGS_MODULE", "shop.settings")
     sys.exit(main())

@@ -49,13 +49,20 @@ def async_test(func: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., 
 ARRIVAL_JITTER = 0.1
 
 
-def assert_paced(times: list[float], rate: float, burst: int, what: str) -> None:
-    """No window [t_i, t_j] of *times* holds more than ``burst + rate * (t_j - t_i)`` arrivals
-    (with :data:`ARRIVAL_JITTER` of slack on the window's length)."""
+def assert_paced(
+    times: list[float],
+    rate: float,
+    burst: int,
+    what: str,
+    jitter: float = ARRIVAL_JITTER,
+    extra: int = 0,
+) -> None:
+    """No window [t_i, t_j] of *times* holds more than ``burst + rate * (t_j - t_i)`` arrivals,
+    give or take *jitter* seconds on the window's length and *extra* arrivals."""
     times = sorted(times)
     for i, first in enumerate(times):
         for j in range(i, len(times)):
-            allowed = burst + rate * (times[j] - first + ARRIVAL_JITTER)
+            allowed = burst + rate * (times[j] - first + jitter) + extra
             assert j - i + 1 <= allowed, (
                 f"{what}: {j - i + 1} arrivals within {times[j] - first:.3f} s "
                 f"(limit {rate}/s, burst {burst}: at most {allowed:.2f})"

@@ -1,0 +1,99 @@
+"""A fleet of 3 ``scrapy crawl shop`` OS processes (example_project: scrapy-redis scheduler and
+dupefilter, one Redis) against the demo site, judged from the site's arrival log."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from demo_site import DemoSite
+from local_redis import RedisServer
+from run_demo import HOSTS, Run, configured_limits, reset_redis, start_workers, stop_workers
+from support import achieved_rate, assert_paced, wait_until
+
+from scrapy_redis_throttle import Limit
+
+WORKERS = 3
+# The example spider's limits: 4/s, 2/s with a burst of 3, and one request every 2 s.
+LIMITS = configured_limits()
+# About 14 s of crawling for every domain at its limit.
+PAGES = {"127.0.0.2": 55, "127.0.0.3": 25, "127.0.0.4": 6}
+# Arrival times at the server may be squeezed by uneven latency: one request of tolerance.
+TOLERANCE = 1
+
+Fleet = tuple[DemoSite, list["subprocess.Popen[bytes]"]]
+
+
+def limit_of(host: str) -> Limit:
+    limit = LIMITS[host]
+    assert limit is not None
+    return limit
+
+
+@pytest.fixture
+def fleet_run(redis_server: RedisServer, tmp_path: Path) -> Iterator[Fleet]:
+    """Starts the site and the fleet; stops both, whatever the test did."""
+    with DemoSite(HOSTS, pages=PAGES) as site:
+        reset_redis(redis_server.url, site)
+        workers = start_workers(Run("fleet", {}), WORKERS, redis_server.url, tmp_path)
+        try:
+            yield site, workers
+        finally:
+            stop_workers(workers)
+            for log in sorted(tmp_path.glob("*.log")):
+                text = log.read_text()
+                assert "Traceback" not in text, f"{log.name}:\n{text[-3000:]}"
+
+
+def test_fleet_shares_each_domain_budget_and_fetches_every_page_once(
+    fleet_run: Fleet,
+) -> None:
+    site, workers = fleet_run
+    expected = {host: site.paths(host) for host in HOSTS}
+    wait_until(
+        lambda: all({a.path for a in site.arrivals(h)} >= expected[h] for h in HOSTS),
+        timeout=90,
+        message="the fleet to fetch every page of every domain",
+    )
+    assert all(w.poll() is None for w in workers), "every worker still runs"
+
+    for host in HOSTS:
+        limit = limit_of(host)
+        paths = Counter(a.path for a in site.arrivals(host))
+        assert set(paths) == expected[host], f"{host}: pages not fetched or not on the site"
+        assert [p for p, n in paths.items() if n > 1] == [], f"{host}: pages fetched twice"
+        times = [a.time for a in site.arrivals(host)]
+        assert_paced(times, limit.rate, limit.burst, what=host, jitter=0, extra=TOLERANCE)
+        achieved = achieved_rate(times, limit.burst)
+        assert achieved >= 0.9 * limit.rate, f"{host}: {achieved:.2f}/s, limit {limit}"
+
+
+def test_a_killed_worker_does_not_stop_the_others_from_keeping_the_limit(
+    fleet_run: Fleet,
+) -> None:
+    site, workers = fleet_run
+    host = "127.0.0.2"
+    limit = limit_of(host)
+    wait_until(lambda: len(site.arrivals(host)) >= 12, timeout=60, message=f"12 arrivals at {host}")
+    workers[0].send_signal(signal.SIGKILL)
+    workers[0].wait(timeout=10)
+    killed_at = max(a.time for a in site.arrivals(host))
+    wait_until(
+        lambda: sum(a.time > killed_at for a in site.arrivals(host)) >= 24,
+        timeout=60,
+        message=f"24 more arrivals at {host} after a worker was killed",
+    )
+    assert workers[0].returncode == -signal.SIGKILL
+    assert all(w.poll() is None for w in workers[1:]), "the other workers still run"
+
+    for each in HOSTS:
+        each_limit = limit_of(each)
+        times = [a.time for a in site.arrivals(each)]
+        assert_paced(times, each_limit.rate, each_limit.burst, what=each, jitter=0, extra=TOLERANCE)
+    after = [a.time for a in site.arrivals(host) if a.time > killed_at]
+    achieved = (len(after) - 1) / (max(after) - min(after))
+    assert achieved >= 0.9 * limit.rate, f"after the kill: {achieved:.2f}/s, limit {limit}"
