@@ -20,6 +20,9 @@ from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import IO, Any
 
+# The demo's "domains": Linux routes all of 127.0.0.0/8 to the loopback interface.
+HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+
 
 @dataclass(frozen=True)
 class Arrival:
@@ -178,7 +181,7 @@ def loopback_hosts_available(hosts: list[str]) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hosts", nargs="+", default=["127.0.0.2", "127.0.0.3"])
+    parser.add_argument("--hosts", nargs="+", default=HOSTS)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--pages", type=int, default=20)
     parser.add_argument("--log", type=argparse.FileType("a"), default=None)

@@ -27,12 +27,13 @@ class RedisServer:
     """A redis-server process of our own, keeping nothing on disk. It can be stopped and started
     again on the same port (tests use that to simulate outages)."""
 
-    def __init__(self, *extra_args: str) -> None:
+    def __init__(self, *extra_args: str, password: str | None = None) -> None:
         executable = shutil.which("redis-server")
         if executable is None:
             raise RuntimeError(MISSING_MESSAGE)
         self.executable = executable
-        self.extra_args = extra_args
+        self.password = password
+        self.extra_args = (*extra_args, "--requirepass", password) if password else extra_args
         self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -41,7 +42,7 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, socket_timeout=5)
+        return redis.Redis(port=self.port, password=self.password, socket_timeout=5)
 
     def start(self) -> RedisServer:
         self.process = subprocess.Popen(

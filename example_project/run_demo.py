@@ -26,14 +26,13 @@ PROJECT = Path(__file__).resolve().parent
 sys.path.insert(0, str(PROJECT))
 
 import redis  # noqa: E402
-from demo_site import DemoSite, loopback_hosts_available  # noqa: E402
+from demo_site import HOSTS, DemoSite, loopback_hosts_available  # noqa: E402
 from local_redis import RedisServer  # noqa: E402
 from scrapy.settings import Settings  # noqa: E402
 from shop.spiders.shop import ShopSpider  # noqa: E402
 
 from scrapy_redis_throttle import Limit, ThrottleConfig  # noqa: E402
 
-HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
 PROGRESS_EVERY = 2.0
 # After the run's time, a worker gets this long to close cleanly, then as long again after a
 # second SIGINT (Scrapy's forced stop), and is then killed.

@@ -56,7 +56,8 @@ local allow_at = new_tat - burst * interval
 if now < allow_at then
   return {
     0,
-    string.format("%.6f", burst - (tat - now) / interval),
+    -- Below zero when a worker with a larger burst for this key went further ahead.
+    string.format("%.6f", math.max(0, burst - (tat - now) / interval)),
     string.format("%.3f", (allow_at - now) / 1000),
     string.format("%.3f", (tat - now) / 1000),
   }

@@ -2,12 +2,13 @@
 
 from .addon import Addon
 from .bucket import AcquireResult, TokenBucket
-from .config import Limit, ThrottleConfig, ThrottleConfigError
+from .config import InvalidThrottleMeta, Limit, ThrottleConfig, ThrottleConfigError
 from .middleware import RedisThrottleMiddleware
 
 __all__ = [
     "AcquireResult",
     "Addon",
+    "InvalidThrottleMeta",
     "Limit",
     "RedisThrottleMiddleware",
     "ThrottleConfig",

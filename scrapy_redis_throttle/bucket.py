@@ -41,6 +41,11 @@ def bucket_key(prefix: str, domain: str) -> str:
     return f"{prefix}:{{{domain}}}:bucket"
 
 
+def script_args(limit: Limit, cost: float) -> list[str | int]:
+    """ARGV of ``token_bucket.lua``; ``repr`` keeps every digit of the floats."""
+    return [repr(limit.interval_us), limit.burst, repr(float(cost))]
+
+
 class TokenBucket:
     """Per-domain token buckets stored in one Redis, shared by every process that uses it."""
 
@@ -52,8 +57,7 @@ class TokenBucket:
     async def acquire(self, domain: str, limit: Limit, cost: float = 1) -> AcquireResult:
         """Take *cost* tokens from *domain*'s bucket if it has them (atomically, in one call)."""
         reply: list[Any] = await self._script(
-            keys=[bucket_key(self._key_prefix, domain)],
-            args=[repr(limit.interval_us), limit.burst, repr(float(cost))],
+            keys=[bucket_key(self._key_prefix, domain)], args=script_args(limit, cost)
         )
         allowed, tokens_left, retry_after_ms, reset_after_ms = reply
         return AcquireResult(

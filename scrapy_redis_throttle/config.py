@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import re
 from collections.abc import Mapping
@@ -28,8 +30,14 @@ DEFAULT_KEY_PREFIX = "redis_throttle"
 DEFAULT_MAX_CONNECTIONS = 32
 # Short timeouts: a stalled Redis must delay requests by seconds, not scrapy-redis's 30 s.
 DEFAULT_REDIS_PARAMS: Mapping[str, Any] = {"socket_timeout": 5, "socket_connect_timeout": 5}
-# Parameters of scrapy-redis's REDIS_PARAMS that only make sense for its own synchronous client.
-_SYNC_ONLY_PARAMS = frozenset({"redis_cls"})
+# Client parameters the throttle chooses itself, with the reason.
+_SET_BY_THE_THROTTLE = {
+    "max_connections": "use REDIS_THROTTLE_MAX_CONNECTIONS",
+    "retry": "it never replays a command; it waits for Redis itself",
+}
+_PART_OF_THE_URL = frozenset({"url", "host", "port", "db", "path"})
+# What scrapy-redis's REDIS_PARAMS may hold for its own client, which the throttle does not use.
+_NOT_SHARED_WITH_SCRAPY_REDIS = frozenset({"redis_cls", *_SET_BY_THE_THROTTLE, *_PART_OF_THE_URL})
 
 _UNITS = {
     "s": 1.0, "sec": 1.0, "second": 1.0, "seconds": 1.0,
@@ -46,7 +54,11 @@ _PATTERN_RE = re.compile(r"^(\*\.)?[^\s*/]+$")
 
 
 class ThrottleConfigError(ValueError):
-    """A setting, spider attribute or request meta value of scrapy-redis-throttle is invalid."""
+    """A setting or spider attribute of scrapy-redis-throttle is invalid."""
+
+
+class InvalidThrottleMeta(ValueError):
+    """A request's ``redis_throttle_*`` meta value is invalid; that request fails."""
 
 
 @dataclass(frozen=True)
@@ -287,26 +299,54 @@ def _getdict(settings: BaseSettings, name: str) -> Mapping[Any, Any]:
 
 
 def _redis_url(settings: BaseSettings) -> str:
-    """REDIS_THROTTLE_URL, else scrapy-redis's REDIS_URL, else its REDIS_HOST/PORT/DB."""
-    for name in ("REDIS_THROTTLE_URL", "REDIS_URL"):
-        url = settings.get(name)
+    """The Redis scrapy-redis uses: REDIS_THROTTLE_URL, else REDIS_URL, else REDIS_PARAMS' url,
+    else REDIS_HOST/PORT/DB (or REDIS_PARAMS' host/port/db), as scrapy-redis reads them."""
+    shared_params = _getdict(settings, "REDIS_PARAMS")
+    candidates = [
+        ("REDIS_THROTTLE_URL", settings.get("REDIS_THROTTLE_URL")),
+        ("REDIS_URL", settings.get("REDIS_URL")),
+        ("REDIS_PARAMS['url']", shared_params.get("url")),
+    ]
+    for name, url in candidates:
         if url:
             if not isinstance(url, str) or urlsplit(url).scheme not in ("redis", "rediss", "unix"):
                 raise ThrottleConfigError(
                     f"{name} must be a redis://, rediss:// or unix:// URL, got {url!r}"
                 )
             return url
-    host = settings.get("REDIS_HOST") or "localhost"
-    port = settings.get("REDIS_PORT") or 6379
-    db = settings.get("REDIS_DB") or 0
+    host = settings.get("REDIS_HOST") or shared_params.get("host") or "localhost"
+    port = settings.get("REDIS_PORT") or shared_params.get("port") or 6379
+    db = settings.get("REDIS_DB") or shared_params.get("db") or 0
     return f"redis://{host}:{port}/{db}"
+
+
+@functools.cache
+def _connection_parameters() -> frozenset[str]:
+    """Every keyword argument the throttle's redis.asyncio connections accept."""
+    from redis.asyncio import connection
+
+    names: set[str] = set()
+    for cls in (connection.AbstractConnection, connection.Connection, connection.SSLConnection):
+        names.update(inspect.signature(cls.__init__).parameters)
+    return frozenset(names - {"self", "kwargs", *_SET_BY_THE_THROTTLE, *_PART_OF_THE_URL})
 
 
 def _redis_params(settings: BaseSettings) -> dict[str, Any]:
     """Client parameters: our defaults < scrapy-redis's REDIS_PARAMS < REDIS_THROTTLE_PARAMS."""
     params = dict(DEFAULT_REDIS_PARAMS)
+    allowed = _connection_parameters()
     for name in ("REDIS_PARAMS", "REDIS_THROTTLE_PARAMS"):
+        own = name == "REDIS_THROTTLE_PARAMS"
         for key, value in _getdict(settings, name).items():
-            if key not in _SYNC_ONLY_PARAMS:
+            if key in _SET_BY_THE_THROTTLE and own:
+                raise ThrottleConfigError(
+                    f"{name}: {key!r} is set by the throttle itself ({_SET_BY_THE_THROTTLE[key]})"
+                )
+            if key in allowed:
                 params[key] = value
+            elif own or key not in _NOT_SHARED_WITH_SCRAPY_REDIS:
+                raise ThrottleConfigError(
+                    f"{name}: unknown redis-py connection parameter {key!r}"
+                    + (" (host, port and db go in the URL)" if key in _PART_OF_THE_URL else "")
+                )
     return params

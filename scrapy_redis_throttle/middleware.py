@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections import Counter
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, NoReturn
 
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -29,9 +31,11 @@ from scrapy import signals
 from scrapy.utils.asyncio import is_asyncio_available
 
 from .bucket import AcquireResult, TokenBucket
-from .config import ThrottleConfig, ThrottleConfigError, redact_url
+from .config import InvalidThrottleMeta, ThrottleConfig, ThrottleConfigError, redact_url
 
 if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
     from scrapy import Request, Spider
     from scrapy.crawler import Crawler
     from typing_extensions import Self
@@ -44,6 +48,8 @@ STATS_PREFIX = "redis_throttle"
 # Backoff between attempts while Redis is unreachable.
 REDIS_RETRY_FIRST_DELAY = 0.1
 REDIS_RETRY_MAX_DELAY = 5.0
+# Braces would break the Redis Cluster hash tag of the bucket key.
+_HASH_TAG_BRACES = frozenset("{}")
 
 
 class RedisThrottleMiddleware:
@@ -60,6 +66,8 @@ class RedisThrottleMiddleware:
         self.redis = self._connect(self.config)
         self.bucket = TokenBucket(self.redis, self.config.key_prefix)
         self._redis_down = False
+        self._key_locks: dict[str, asyncio.Lock] = {}
+        self._key_users: Counter[str] = Counter()
         crawler.signals.connect(self._spider_opened, signal=signals.spider_opened)
         crawler.signals.connect(self._spider_closed, signal=signals.spider_closed)
 
@@ -89,16 +97,11 @@ class RedisThrottleMiddleware:
         )
         try:
             await self.redis.ping()
-        except RedisError as exc:
-            logger.warning(
-                "Redis throttle: cannot reach Redis at %s (%s); requests will wait for it",
-                redact_url(self.config.redis_url),
-                exc,
-                extra={"spider": spider},
-            )
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            self._redis_unreachable(exc)
 
     async def _spider_closed(self, spider: Spider) -> None:
-        await self.redis.aclose()
+        await self.redis.aclose(close_connection_pool=True)
 
     async def process_request(self, request: Request) -> None:
         stats = self.stats
@@ -106,7 +109,7 @@ class RedisThrottleMiddleware:
             stats.inc_value(f"{STATS_PREFIX}/skipped")
             return
         key = self._key(request)
-        limit = self.config.limits.lookup(key)
+        limit = self.config.limits.lookup(key) if key else None  # "": data: or file: URLs
         if limit is None:
             stats.inc_value(f"{STATS_PREFIX}/unthrottled")
             return
@@ -114,12 +117,48 @@ class RedisThrottleMiddleware:
 
         loop = asyncio.get_running_loop()
         started = loop.time()
-        attempts = 0
+        async with self._turn(key):
+            delayed = await self._wait_for_tokens(request, key, limit, cost)
+        stats.inc_value(f"{STATS_PREFIX}/requests")
+        if not delayed:
+            stats.inc_value(f"{STATS_PREFIX}/allowed_immediately")
+            return
+        waited = loop.time() - started
+        stats.inc_value(f"{STATS_PREFIX}/delayed")
+        total_key = f"{STATS_PREFIX}/wait_time_total"
+        stats.set_value(total_key, stats.get_value(total_key, 0.0) + waited)
+        stats.max_value(f"{STATS_PREFIX}/wait_time_max", waited)
+
+    @asynccontextmanager
+    async def _turn(self, key: str) -> AsyncIterator[None]:
+        """Let this process's requests for one key ask Redis one at a time, first come first
+        served: waiters that all woke at the same moment would only refuse each other."""
+        lock = self._key_locks.setdefault(key, asyncio.Lock())
+        self._key_users[key] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            self._key_users[key] -= 1
+            if not self._key_users[key]:
+                del self._key_users[key], self._key_locks[key]
+
+    async def _wait_for_tokens(self, request: Request, key: str, limit: Limit, cost: float) -> bool:
+        """Take the request's tokens, waiting as long as it takes; return whether it waited."""
+        delayed = False
+        redis_retry_delay = REDIS_RETRY_FIRST_DELAY
         while True:
-            attempts += 1
-            result = await self._acquire(key, limit, cost)
+            try:
+                result = await self._acquire(key, limit, cost)
+            except (RedisConnectionError, RedisTimeoutError):
+                # Nothing goes out unthrottled: wait for Redis to come back.
+                delayed = True
+                await asyncio.sleep(redis_retry_delay)
+                redis_retry_delay = min(redis_retry_delay * 2, REDIS_RETRY_MAX_DELAY)
+                continue
             if result.allowed:
-                break
+                return delayed
+            delayed = True
             logger.debug(
                 "Redis throttle: %(request)s waits %(delay).3f s for %(key)s (%(limit)s)",
                 {"request": request, "delay": result.retry_after, "key": key, "limit": limit},
@@ -129,23 +168,15 @@ class RedisThrottleMiddleware:
             # them first, in which case the next attempt says how much longer to wait.
             await asyncio.sleep(result.retry_after)
 
-        stats.inc_value(f"{STATS_PREFIX}/requests")
-        if attempts == 1:
-            stats.inc_value(f"{STATS_PREFIX}/allowed_immediately")
-            return
-        waited = loop.time() - started
-        stats.inc_value(f"{STATS_PREFIX}/delayed")
-        total_key = f"{STATS_PREFIX}/wait_time_total"
-        stats.set_value(total_key, stats.get_value(total_key, 0.0) + waited)
-        stats.max_value(f"{STATS_PREFIX}/wait_time_max", waited)
-
     def _key(self, request: Request) -> str:
         key = request.meta.get("redis_throttle_key")
         if key is None:
-            return self.crawler.engine.downloader.get_slot_key(request)
-        if isinstance(key, str) and key:
-            return key
-        self._bad_meta(request, f"redis_throttle_key must be a non-empty string, got {key!r}")
+            return self.crawler.engine.downloader.get_slot_key(request).lower()
+        if isinstance(key, str) and key and not _HASH_TAG_BRACES & set(key):
+            return key.lower()
+        self._bad_meta(
+            request, f"redis_throttle_key must be a non-empty string without braces, got {key!r}"
+        )
 
     def _cost(self, request: Request, limit: Limit) -> float:
         cost = request.meta.get("redis_throttle_cost", 1)
@@ -166,38 +197,35 @@ class RedisThrottleMiddleware:
 
     def _bad_meta(self, request: Request, message: str) -> NoReturn:
         self.stats.inc_value(f"{STATS_PREFIX}/invalid_meta")
-        raise ThrottleConfigError(f"{message} ({request})")
+        raise InvalidThrottleMeta(f"{message} ({request})")
 
     async def _acquire(self, key: str, limit: Limit, cost: float) -> AcquireResult:
-        """One acquire attempt; while Redis is unreachable, wait for it (with backoff)."""
-        stats = self.stats
-        delay = REDIS_RETRY_FIRST_DELAY
-        while True:
-            stats.inc_value(f"{STATS_PREFIX}/redis_calls")
-            try:
-                result = await self.bucket.acquire(key, limit, cost)
-            except (RedisConnectionError, RedisTimeoutError) as exc:
-                stats.inc_value(f"{STATS_PREFIX}/redis_errors/{type(exc).__name__}")
-                if not self._redis_down:
-                    self._redis_down = True
-                    logger.warning(
-                        "Redis throttle: Redis at %s is unreachable (%r); throttled requests "
-                        "wait until it is back",
-                        redact_url(self.config.redis_url),
-                        exc,
-                        extra={"spider": self.crawler.spider},
-                    )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, REDIS_RETRY_MAX_DELAY)
-                continue
-            except RedisError as exc:
-                stats.inc_value(f"{STATS_PREFIX}/redis_errors/{type(exc).__name__}")
-                raise
-            if self._redis_down:
-                self._redis_down = False
-                logger.info(
-                    "Redis throttle: Redis at %s is reachable again",
-                    redact_url(self.config.redis_url),
-                    extra={"spider": self.crawler.spider},
-                )
-            return result
+        """One call of the script, counted in stats; logs when Redis goes away and comes back."""
+        self.stats.inc_value(f"{STATS_PREFIX}/redis_calls")
+        try:
+            result = await self.bucket.acquire(key, limit, cost)
+        except RedisError as exc:
+            self.stats.inc_value(f"{STATS_PREFIX}/redis_errors/{type(exc).__name__}")
+            if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+                self._redis_unreachable(exc)
+            raise
+        if self._redis_down:
+            self._redis_down = False
+            logger.info(
+                "Redis throttle: Redis at %s is reachable again",
+                redact_url(self.config.redis_url),
+                extra={"spider": self.crawler.spider},
+            )
+        return result
+
+    def _redis_unreachable(self, exc: RedisError) -> None:
+        if self._redis_down:
+            return
+        self._redis_down = True
+        logger.warning(
+            "Redis throttle: Redis at %s is unreachable (%r); throttled requests wait until "
+            "it is back",
+            redact_url(self.config.redis_url),
+            exc,
+            extra={"spider": self.crawler.spider},
+        )

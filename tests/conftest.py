@@ -11,9 +11,8 @@ import pytest
 EXAMPLE_PROJECT = Path(__file__).resolve().parent.parent / "example_project"
 sys.path.insert(0, str(EXAMPLE_PROJECT))
 
-from demo_site import DemoSite  # noqa: E402 - needs the path above
+from demo_site import HOSTS, DemoSite  # noqa: E402 - needs the path above
 from local_redis import RedisServer  # noqa: E402
-from support import HOSTS  # noqa: E402
 
 
 @pytest.fixture(scope="session")

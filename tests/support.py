@@ -19,8 +19,6 @@ if TYPE_CHECKING:
     from scrapy.http import Response
     from twisted.python.failure import Failure
 
-HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
-
 
 def wait_until(
     predicate: Callable[[], object], timeout: float, message: str, interval: float = 0.02

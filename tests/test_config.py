@@ -199,13 +199,35 @@ def test_redis_connection_follows_scrapy_redis_settings() -> None:
         REDIS_URL="redis://shared:6379/2",
         REDIS_THROTTLE_URL="rediss://throttle:6380/1",
         REDIS_PARAMS={"socket_timeout": 30},
-        REDIS_THROTTLE_PARAMS={"socket_timeout": 1},
+        REDIS_THROTTLE_PARAMS={"socket_timeout": 1, "ssl_cert_reqs": "none"},
     )
     assert cfg.redis_url == "rediss://throttle:6380/1"
     assert cfg.redis_params["socket_timeout"] == 1
+    assert cfg.redis_params["ssl_cert_reqs"] == "none"
 
-    cfg = config(REDIS_HOST="h", REDIS_PORT=7000, REDIS_DB=3)
-    assert cfg.redis_url == "redis://h:7000/3"
+    assert config(REDIS_HOST="h", REDIS_PORT=7000, REDIS_DB=3).redis_url == "redis://h:7000/3"
+    # scrapy-redis also takes the connection from REDIS_PARAMS; what it skips, we skip.
+    cfg = config(REDIS_PARAMS={"url": "redis://p:1/4", "retry": None, "max_connections": 3})
+    assert cfg.redis_url == "redis://p:1/4"
+    assert cfg.redis_params == DEFAULT_REDIS_PARAMS
+    cfg = config(REDIS_PARAMS={"host": "h", "port": 7001, "db": 5})
+    assert cfg.redis_url == "redis://h:7001/5"
+    assert cfg.redis_params == DEFAULT_REDIS_PARAMS
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"REDIS_THROTTLE_PARAMS": {"socket_timout": 1}}, "REDIS_THROTTLE_PARAMS: unknown redis-py connection parameter 'socket_timout'"),
+        ({"REDIS_PARAMS": {"socket_timout": 1}}, "REDIS_PARAMS: unknown redis-py connection parameter 'socket_timout'"),
+        ({"REDIS_THROTTLE_PARAMS": {"max_connections": 5}}, "'max_connections' is set by the throttle itself \\(use REDIS_THROTTLE_MAX_CONNECTIONS\\)"),
+        ({"REDIS_THROTTLE_PARAMS": {"retry": None}}, "'retry' is set by the throttle itself"),
+        ({"REDIS_THROTTLE_PARAMS": {"host": "h"}}, "unknown redis-py connection parameter 'host' \\(host, port and db go in the URL\\)"),
+    ],
+)  # fmt: skip
+def test_invalid_redis_params(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ThrottleConfigError, match=message):
+        config(**kwargs)
 
 
 def test_config_is_frozen() -> None:

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from demo_site import DemoSite
+from demo_site import HOSTS, DemoSite
 from local_redis import RedisServer
-from run_demo import HOSTS, Run, configured_limits, reset_redis, start_workers, stop_workers
+from run_demo import Run, configured_limits, reset_redis, start_workers, stop_workers
 from support import achieved_rate, assert_paced, wait_until
 
 from scrapy_redis_throttle import Limit

@@ -16,7 +16,7 @@ import redis
 from local_redis import RedisServer
 from support import async_test, wait_until
 
-from scrapy_redis_throttle.bucket import TokenBucket, bucket_key, load_script
+from scrapy_redis_throttle.bucket import TokenBucket, bucket_key, load_script, script_args
 from scrapy_redis_throttle.config import Limit
 
 KEY = "test:{example.com}:bucket"
@@ -30,9 +30,9 @@ class Bucket:
         self.script = client.register_script(load_script("token_bucket.lua"))
 
     def call(
-        self, rate: float, burst: Any, cost: Any = 1, key: str = KEY
+        self, rate: float, burst: int, cost: float = 1, key: str = KEY
     ) -> tuple[bool, float, float, float]:
-        reply = self.script(keys=[key], args=[repr(1e6 / rate), burst, cost])
+        reply = self.script(keys=[key], args=script_args(Limit(rate, burst, "test"), cost))
         allowed, tokens, retry_ms, reset_ms = reply
         return int(allowed) == 1, float(tokens), float(retry_ms), float(reset_ms)
 
@@ -116,6 +116,14 @@ def test_state_expires_when_the_bucket_is_full_again(bucket: Bucket) -> None:
     wait_until(
         lambda: bucket.client.exists(KEY) == 0, timeout=5, message="idle bucket key to expire"
     )
+
+
+def test_tokens_left_is_never_negative_when_workers_disagree_on_the_burst(bucket: Bucket) -> None:
+    assert bucket.call(rate=1, burst=5, cost=5)[0]  # this worker's limit allows a burst of 5
+    allowed, tokens, retry_ms, _ = bucket.call(rate=1, burst=1)  # another's allows 1
+    assert not allowed
+    assert tokens == 0
+    assert 4000 < retry_ms <= 5000
 
 
 def test_refused_call_changes_nothing(bucket: Bucket) -> None:
