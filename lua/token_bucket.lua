@@ -5,11 +5,15 @@
 -- ARGV[1]  interval: microseconds it takes to refill one token (1e6 / rate per second), > 0
 -- ARGV[2]  burst: bucket size in tokens, >= 1
 -- ARGV[3]  cost: tokens this request takes, > 0 and <= burst
+-- ARGV[4]  reserve (optional, default 0): microseconds; a request that could go within that time
+--          reserves its tokens now for the moment they are there
 --
--- Returns {allowed, tokens_left, retry_after_ms, reset_after_ms}.
---   allowed         1 if the request may go now (its tokens are taken), else 0 (nothing is taken)
---   tokens_left     tokens in the bucket after this call
---   retry_after_ms  how long until the same request could go (0 when allowed)
+-- Returns {status, tokens_left, retry_after_ms, reset_after_ms}.
+--   status          1: the request may go now (its tokens are taken);
+--                   2: reserved, it must go in retry_after_ms (its tokens are taken);
+--                   0: refused, nothing is taken; it could go in retry_after_ms
+--   tokens_left     tokens in the bucket after this call (0 while reservations are pending)
+--   retry_after_ms  how long until the request may go (0 when it may go now)
 --   reset_after_ms  how long until the bucket is full again (the key's expiry)
 -- Numbers are returned as strings: Redis would truncate Lua numbers to integers.
 
@@ -36,6 +40,11 @@ if cost == nil then
   return redis.error_reply("ERR redis_throttle: cost must be a positive finite number, got "
     .. tostring(ARGV[3]))
 end
+local reserve = tonumber(ARGV[4] or "0")
+if reserve == nil or reserve ~= reserve or reserve < 0 or reserve == math.huge then
+  return redis.error_reply("ERR redis_throttle: reserve must be a finite number >= 0, got "
+    .. tostring(ARGV[4]))
+end
 if cost > burst then
   -- Such a request could never go: refuse it instead of making it wait forever.
   return redis.error_reply("ERR redis_throttle: cost " .. ARGV[3] .. " exceeds burst " .. ARGV[2])
@@ -53,12 +62,13 @@ end
 
 local new_tat = tat + cost * interval
 local allow_at = new_tat - burst * interval
-if now < allow_at then
+local wait = math.max(0, allow_at - now)
+if wait > reserve then
   return {
     0,
     -- Below zero when a worker with a larger burst for this key went further ahead.
     string.format("%.6f", math.max(0, burst - (tat - now) / interval)),
-    string.format("%.3f", (allow_at - now) / 1000),
+    string.format("%.3f", wait / 1000),
     string.format("%.3f", (tat - now) / 1000),
   }
 end
@@ -67,8 +77,8 @@ local reset_after = new_tat - now
 -- The key lives exactly as long as the bucket is not full: idle domains vanish.
 redis.call("SET", KEYS[1], string.format("%.3f", new_tat), "PX", math.ceil(reset_after / 1000))
 return {
-  1,
-  string.format("%.6f", burst - reset_after / interval),
-  "0",
+  wait > 0 and 2 or 1,
+  string.format("%.6f", math.max(0, burst - reset_after / interval)),
+  string.format("%.3f", wait / 1000),
   string.format("%.3f", reset_after / 1000),
 }

@@ -4,6 +4,7 @@ from .addon import Addon
 from .bucket import AcquireResult, TokenBucket
 from .config import InvalidThrottleMeta, Limit, ThrottleConfig, ThrottleConfigError
 from .middleware import RedisThrottleMiddleware
+from .scheduler import RedisThrottleScheduler, ThrottleScheduler
 
 __all__ = [
     "AcquireResult",
@@ -11,7 +12,9 @@ __all__ = [
     "InvalidThrottleMeta",
     "Limit",
     "RedisThrottleMiddleware",
+    "RedisThrottleScheduler",
     "ThrottleConfig",
     "ThrottleConfigError",
+    "ThrottleScheduler",
     "TokenBucket",
 ]

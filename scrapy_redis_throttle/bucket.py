@@ -28,9 +28,12 @@ def load_script(name: str) -> str:
 @dataclass(frozen=True)
 class AcquireResult:
     allowed: bool
+    """The request may go now."""
+    reserved: bool
+    """The request's tokens are taken for later: it must go in ``retry_after`` seconds."""
     tokens_left: float
     retry_after: float
-    """Seconds until this request could go (0 when allowed)."""
+    """Seconds until this request may go (0 when allowed)."""
     reset_after: float
     """Seconds until the bucket is full again."""
 
@@ -41,9 +44,9 @@ def bucket_key(prefix: str, domain: str) -> str:
     return f"{prefix}:{{{domain}}}:bucket"
 
 
-def script_args(limit: Limit, cost: float) -> list[str | int]:
+def script_args(limit: Limit, cost: float, reserve: float = 0) -> list[str | int]:
     """ARGV of ``token_bucket.lua``; ``repr`` keeps every digit of the floats."""
-    return [repr(limit.interval_us), limit.burst, repr(float(cost))]
+    return [repr(limit.interval_us), limit.burst, repr(float(cost)), repr(reserve * 1e6)]
 
 
 class TokenBucket:
@@ -54,14 +57,18 @@ class TokenBucket:
         # redis-py's Script runs EVALSHA and reloads the script when Redis lost it.
         self._script = redis.register_script(load_script("token_bucket.lua"))
 
-    async def acquire(self, domain: str, limit: Limit, cost: float = 1) -> AcquireResult:
-        """Take *cost* tokens from *domain*'s bucket if it has them (atomically, in one call)."""
+    async def acquire(
+        self, domain: str, limit: Limit, cost: float = 1, reserve: float = 0
+    ) -> AcquireResult:
+        """Take *cost* tokens from *domain*'s bucket if it has them, or reserve them if they will
+        be there within *reserve* seconds (atomically, in one call)."""
         reply: list[Any] = await self._script(
-            keys=[bucket_key(self._key_prefix, domain)], args=script_args(limit, cost)
+            keys=[bucket_key(self._key_prefix, domain)], args=script_args(limit, cost, reserve)
         )
-        allowed, tokens_left, retry_after_ms, reset_after_ms = reply
+        status, tokens_left, retry_after_ms, reset_after_ms = reply
         return AcquireResult(
-            allowed=int(allowed) == 1,
+            allowed=int(status) == 1,
+            reserved=int(status) == 2,
             tokens_left=float(tokens_left),
             retry_after=float(retry_after_ms) / 1000,
             reset_after=float(reset_after_ms) / 1000,

@@ -28,6 +28,8 @@ DEFAULT_RATE = "1/s"
 DEFAULT_BURST = 1
 DEFAULT_KEY_PREFIX = "redis_throttle"
 DEFAULT_MAX_CONNECTIONS = 32
+DEFAULT_MAX_HOLD = 1.0
+DEFAULT_MAX_RESERVE = 300.0
 # Short timeouts: a stalled Redis must delay requests by seconds, not scrapy-redis's 30 s.
 DEFAULT_REDIS_PARAMS: Mapping[str, Any] = {"socket_timeout": 5, "socket_connect_timeout": 5}
 # Client parameters the throttle chooses itself, with the reason.
@@ -231,6 +233,10 @@ class ThrottleConfig:
     redis_params: Mapping[str, Any]
     key_prefix: str
     max_connections: int
+    max_hold: float
+    """Longest wait a request spends in the middleware when the scheduler can park it."""
+    max_reserve: float
+    """How far ahead a request may reserve its tokens."""
 
     @classmethod
     def from_crawler(cls, crawler: Crawler) -> ThrottleConfig:
@@ -277,12 +283,29 @@ class ThrottleConfig:
         )
 
         return cls(
+            max_hold=_seconds(settings, "REDIS_THROTTLE_MAX_HOLD", DEFAULT_MAX_HOLD, minimum=0),
+            max_reserve=_seconds(
+                settings, "REDIS_THROTTLE_MAX_RESERVE", DEFAULT_MAX_RESERVE, minimum=1
+            ),
             limits=_build_table(entries, default, default_burst),
             redis_url=_redis_url(settings),
             redis_params=_redis_params(settings),
             key_prefix=key_prefix,
             max_connections=max_connections,
         )
+
+
+def _seconds(settings: BaseSettings, name: str, default: float, minimum: float) -> float:
+    value = _get(settings, name, default)
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if isinstance(value, bool) or not math.isfinite(seconds) or seconds < minimum:
+        raise ThrottleConfigError(
+            f"{name} must be a number of seconds >= {minimum:g}, got {value!r}"
+        )
+    return seconds
 
 
 def _get(settings: BaseSettings, name: str, default: object) -> Any:

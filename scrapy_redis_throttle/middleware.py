@@ -17,25 +17,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections import Counter
-from contextlib import asynccontextmanager
+import random
 from typing import TYPE_CHECKING, NoReturn
 
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from scrapy import signals
 from scrapy.utils.asyncio import is_asyncio_available
+from scrapy.utils.misc import load_object
 
 from .bucket import AcquireResult, TokenBucket
 from .config import InvalidThrottleMeta, ThrottleConfig, ThrottleConfigError, redact_url
+from .connection import connect
+from .scheduler import PARK_META, RELEASE_META, ParkingScheduler
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
-
     from scrapy import Request, Spider
     from scrapy.crawler import Crawler
     from typing_extensions import Self
@@ -48,6 +45,9 @@ STATS_PREFIX = "redis_throttle"
 # Backoff between attempts while Redis is unreachable.
 REDIS_RETRY_FIRST_DELAY = 0.1
 REDIS_RETRY_MAX_DELAY = 5.0
+# A parked request given back later than this after its reserved moment asks for a new one:
+# going that late would squeeze it against the next request's moment.
+LATE_RELEASE = 0.05
 # Braces would break the Redis Cluster hash tag of the bucket key.
 _HASH_TAG_BRACES = frozenset("{}")
 
@@ -63,11 +63,10 @@ class RedisThrottleMiddleware:
             )
         self.crawler = crawler
         self.stats = crawler.stats
-        self.redis = self._connect(self.config)
+        self.redis = connect(self.config, self.config.max_connections)
         self.bucket = TokenBucket(self.redis, self.config.key_prefix)
         self._redis_down = False
-        self._key_locks: dict[str, asyncio.Lock] = {}
-        self._key_users: Counter[str] = Counter()
+        self.parking = issubclass(load_object(crawler.settings["SCHEDULER"]), ParkingScheduler)
         crawler.signals.connect(self._spider_opened, signal=signals.spider_opened)
         crawler.signals.connect(self._spider_closed, signal=signals.spider_closed)
 
@@ -75,23 +74,15 @@ class RedisThrottleMiddleware:
     def from_crawler(cls, crawler: Crawler) -> Self:
         return cls(crawler)
 
-    @staticmethod
-    def _connect(config: ThrottleConfig) -> Redis:
-        # One pool per crawler. It waits for a free connection instead of raising when all are
-        # busy, and it never replays a command itself: the acquire loop below decides.
-        pool = BlockingConnectionPool.from_url(
-            config.redis_url,
-            max_connections=config.max_connections,
-            retry=Retry(NoBackoff(), 0),
-            **config.redis_params,
-        )
-        return Redis(connection_pool=pool)
-
     async def _spider_opened(self, spider: Spider) -> None:
         logger.info(
-            "Redis throttle: shared limits in %s (key prefix %r):\n  %s",
+            "Redis throttle: shared limits in %s (key prefix %r), %s:\n  %s",
             redact_url(self.config.redis_url),
             self.config.key_prefix,
+            f"requests that must wait over {self.config.max_hold:g} s are parked in the scheduler"
+            if self.parking
+            else "waiting requests are held in the downloader (set SCHEDULER to "
+            "scrapy_redis_throttle.ThrottleScheduler or RedisThrottleScheduler to park them)",
             "\n  ".join(self.config.limits.describe()),
             extra={"spider": spider},
         )
@@ -103,70 +94,81 @@ class RedisThrottleMiddleware:
     async def _spider_closed(self, spider: Spider) -> None:
         await self.redis.aclose(close_connection_pool=True)
 
-    async def process_request(self, request: Request) -> None:
+    async def process_request(self, request: Request) -> Request | None:
         stats = self.stats
         if request.meta.get("dont_redis_throttle"):
             stats.inc_value(f"{STATS_PREFIX}/skipped")
-            return
+            return None
         key = self._key(request)
         limit = self.config.limits.lookup(key) if key else None  # "": data: or file: URLs
         if limit is None:
             stats.inc_value(f"{STATS_PREFIX}/unthrottled")
-            return
+            return None
         cost = self._cost(request, limit)
 
         loop = asyncio.get_running_loop()
         started = loop.time()
-        async with self._turn(key):
-            delayed = await self._wait_for_tokens(request, key, limit, cost)
-        stats.inc_value(f"{STATS_PREFIX}/requests")
-        if not delayed:
-            stats.inc_value(f"{STATS_PREFIX}/allowed_immediately")
-            return
-        waited = loop.time() - started
-        stats.inc_value(f"{STATS_PREFIX}/delayed")
-        total_key = f"{STATS_PREFIX}/wait_time_total"
-        stats.set_value(total_key, stats.get_value(total_key, 0.0) + waited)
-        stats.max_value(f"{STATS_PREFIX}/wait_time_max", waited)
-
-    @asynccontextmanager
-    async def _turn(self, key: str) -> AsyncIterator[None]:
-        """Let this process's requests for one key ask Redis one at a time, first come first
-        served: waiters that all woke at the same moment would only refuse each other."""
-        lock = self._key_locks.setdefault(key, asyncio.Lock())
-        self._key_users[key] += 1
-        try:
-            async with lock:
-                yield
-        finally:
-            self._key_users[key] -= 1
-            if not self._key_users[key]:
-                del self._key_users[key], self._key_locks[key]
-
-    async def _wait_for_tokens(self, request: Request, key: str, limit: Limit, cost: float) -> bool:
-        """Take the request's tokens, waiting as long as it takes; return whether it waited."""
-        delayed = False
-        redis_retry_delay = REDIS_RETRY_FIRST_DELAY
+        release = request.meta.pop(RELEASE_META, None)
+        if release is not None and release["reserved"]:
+            # Back from the parking area: its tokens are reserved for go_at.
+            if release["go_at"] - started >= -LATE_RELEASE:
+                await asyncio.sleep(release["go_at"] - started)
+                self._went(started, delayed=True)
+                return None
+            stats.inc_value(f"{STATS_PREFIX}/released_late")  # its moment passed: ask again
+        delayed = release is not None
         while True:
-            try:
-                result = await self._acquire(key, limit, cost)
-            except (RedisConnectionError, RedisTimeoutError):
-                # Nothing goes out unthrottled: wait for Redis to come back.
-                delayed = True
-                await asyncio.sleep(redis_retry_delay)
-                redis_retry_delay = min(redis_retry_delay * 2, REDIS_RETRY_MAX_DELAY)
-                continue
+            result, redis_retried = await self._acquire_waiting_for_redis(key, limit, cost)
+            delayed = delayed or redis_retried
             if result.allowed:
-                return delayed
-            delayed = True
+                self._went(started, delayed)
+                return None
+            if self.parking and result.retry_after > self.config.max_hold:
+                return self._park(request, key, limit, result)
             logger.debug(
                 "Redis throttle: %(request)s waits %(delay).3f s for %(key)s (%(limit)s)",
                 {"request": request, "delay": result.retry_after, "key": key, "limit": limit},
                 extra={"spider": self.crawler.spider},
             )
-            # The script says exactly when the tokens will be there; another worker may take
-            # them first, in which case the next attempt says how much longer to wait.
-            await asyncio.sleep(result.retry_after)
+            delayed = True
+            if result.reserved:
+                await asyncio.sleep(result.retry_after)
+                self._went(started, delayed)
+                return None
+            # Too far ahead to reserve: come back when it is not.
+            await asyncio.sleep(result.retry_after - self.config.max_reserve / 2)
+
+    def _went(self, started: float, delayed: bool) -> None:
+        """Count a request that leaves for the download."""
+        stats = self.stats
+        stats.inc_value(f"{STATS_PREFIX}/requests")
+        if not delayed:
+            stats.inc_value(f"{STATS_PREFIX}/allowed_immediately")
+            return
+        waited = asyncio.get_running_loop().time() - started
+        stats.inc_value(f"{STATS_PREFIX}/delayed")
+        total_key = f"{STATS_PREFIX}/wait_time_total"
+        stats.set_value(total_key, stats.get_value(total_key, 0.0) + waited)
+        stats.max_value(f"{STATS_PREFIX}/wait_time_max", waited)
+
+    def _park(self, request: Request, key: str, limit: Limit, result: AcquireResult) -> Request:
+        """Hand the request back to the scheduler, which keeps it out of the downloader until
+        shortly before it may go."""
+        if result.reserved:
+            delay = result.retry_after
+        else:
+            # Due when its tokens can be reserved; spread out, so that the requests parked
+            # together do not all come back at once.
+            delay = result.retry_after - self.config.max_reserve * random.uniform(0.5, 1)
+        logger.debug(
+            "Redis throttle: %(request)s parked for %(delay).3f s for %(key)s (%(limit)s)",
+            {"request": request, "delay": delay, "key": key, "limit": limit},
+            extra={"spider": self.crawler.spider},
+        )
+        self.stats.inc_value(f"{STATS_PREFIX}/park_requests")
+        return request.replace(
+            meta={**request.meta, PARK_META: {"delay": delay, "reserved": result.reserved}}
+        )
 
     def _key(self, request: Request) -> str:
         key = request.meta.get("redis_throttle_key")
@@ -199,11 +201,26 @@ class RedisThrottleMiddleware:
         self.stats.inc_value(f"{STATS_PREFIX}/invalid_meta")
         raise InvalidThrottleMeta(f"{message} ({request})")
 
+    async def _acquire_waiting_for_redis(
+        self, key: str, limit: Limit, cost: float
+    ) -> tuple[AcquireResult, bool]:
+        """Take or reserve the tokens; while Redis is unreachable, wait for it (nothing goes out
+        unthrottled). Also return whether Redis had to be waited for."""
+        redis_retry_delay = REDIS_RETRY_FIRST_DELAY
+        redis_retried = False
+        while True:
+            try:
+                return await self._acquire(key, limit, cost), redis_retried
+            except (RedisConnectionError, RedisTimeoutError):
+                redis_retried = True
+                await asyncio.sleep(redis_retry_delay)
+                redis_retry_delay = min(redis_retry_delay * 2, REDIS_RETRY_MAX_DELAY)
+
     async def _acquire(self, key: str, limit: Limit, cost: float) -> AcquireResult:
         """One call of the script, counted in stats; logs when Redis goes away and comes back."""
         self.stats.inc_value(f"{STATS_PREFIX}/redis_calls")
         try:
-            result = await self.bucket.acquire(key, limit, cost)
+            result = await self.bucket.acquire(key, limit, cost, reserve=self.config.max_reserve)
         except RedisError as exc:
             self.stats.inc_value(f"{STATS_PREFIX}/redis_errors/{type(exc).__name__}")
             if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):

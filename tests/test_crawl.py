@@ -10,6 +10,7 @@ import json
 import logging
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from local_redis import RedisServer
 from scrapy.crawler import CrawlerRunner
 from scrapy.utils.defer import maybe_deferred_to_future
 from support import (
+    ARRIVAL_JITTER,
     UrlListSpider,
     achieved_rate,
     assert_paced,
@@ -211,9 +213,10 @@ async def test_requests_wait_for_redis_to_come_back(
     caplog.set_level(logging.INFO, logger="scrapy_redis_throttle")
     if down_at_start:
         own_redis.stop()
-    runner = CrawlerRunner(crawl_settings(own_redis.url))
+    # Requests reserve their tokens at most 1 s ahead: the later ones need Redis while it is down.
+    runner = CrawlerRunner(crawl_settings(own_redis.url, REDIS_THROTTLE_MAX_RESERVE=1))
     crawler = runner.create_crawler(UrlListSpider)
-    crawl = runner.crawl(crawler, requests=pages(site, A, 10), redis_throttle_rates={A: "10/s"})
+    crawl = runner.crawl(crawler, requests=pages(site, A, 30), redis_throttle_rates={A: "10/s"})
     stats = crawler.stats
 
     def errors() -> int:
@@ -222,17 +225,24 @@ async def test_requests_wait_for_redis_to_come_back(
     if not down_at_start:
         await _wait_async(lambda: len(site.arrivals(A)) >= 3, "3 arrivals before Redis is stopped")
         own_redis.stop()
-    await _wait_async(lambda: errors() >= 2, "requests to notice that Redis is gone")
-    arrived_while_down = len(site.arrivals(A))
-    await _wait_async(lambda: errors() >= 4, "requests to retry Redis with backoff")
-    assert len(site.arrivals(A)) == arrived_while_down, "nothing went unthrottled"
+    stopped = time.monotonic()
+    await _wait_async(
+        lambda: errors() >= 4 and time.monotonic() > stopped + 2,
+        "requests to notice that Redis is gone, for 2 s",
+    )
+    restarted = time.monotonic()
     own_redis.start()
     await maybe_deferred_to_future(crawl)
 
-    assert sorted(a.path for a in site.arrivals(A)) == sorted(f"/page/{n}" for n in range(10))
+    # What had its tokens before the outage may still go; nothing else until Redis is back.
+    assert [
+        a.time for a in site.arrivals(A) if stopped + 1 + ARRIVAL_JITTER < a.time < restarted
+    ] == []
+    assert sorted(a.path for a in site.arrivals(A)) == sorted(f"/page/{n}" for n in range(30))
     assert_paced(times(site, A), rate=10, burst=1, what=A)
-    assert stats.get_value("test/responses") == 10
-    assert stats.get_value("redis_throttle/requests") == 10
+    assert stats.get_value("test/responses") == 30
+    assert stats.get_value("redis_throttle/requests") == 30
+    assert stats.get_value("redis_throttle/delayed") >= 20
     messages = [
         r.getMessage() for r in caplog.records if r.name.startswith("scrapy_redis_throttle")
     ]

@@ -36,6 +36,13 @@ class Bucket:
         allowed, tokens, retry_ms, reset_ms = reply
         return int(allowed) == 1, float(tokens), float(retry_ms), float(reset_ms)
 
+    def reserve(
+        self, rate: float, burst: int, ahead: float, cost: float = 1
+    ) -> tuple[int, float, float, float]:
+        reply = self.script(keys=[KEY], args=script_args(Limit(rate, burst, "test"), cost, ahead))
+        status, tokens, retry_ms, reset_ms = reply
+        return int(status), float(tokens), float(retry_ms), float(reset_ms)
+
     def call_raw(self, *args: Any) -> Any:
         return self.script(keys=[KEY], args=list(args))
 
@@ -124,6 +131,27 @@ def test_tokens_left_is_never_negative_when_workers_disagree_on_the_burst(bucket
     assert not allowed
     assert tokens == 0
     assert 4000 < retry_ms <= 5000
+
+
+def test_reservations_line_up_within_the_horizon(bucket: Bucket) -> None:
+    started = time.monotonic()
+    statuses = [bucket.reserve(rate=10, burst=1, ahead=0.35) for _ in range(6)]
+    elapsed = time.monotonic() - started
+    # Now, then reserved 100, 200 and 300 ms ahead; the fifth would be 400 ms ahead: refused.
+    assert [s[0] for s in statuses] == [1, 2, 2, 2, 0, 0]
+    for n, (_, tokens, retry_ms, _) in enumerate(statuses[1:4], start=1):
+        assert tokens == 0
+        assert 100 * n - 1000 * elapsed <= retry_ms <= 100 * n
+    _, _, retry_ms, reset_ms = statuses[4]
+    assert 400 - 1000 * elapsed <= retry_ms <= 400, "a refusal says when it could go"
+    assert 400 - 1000 * elapsed <= reset_ms <= 400, "three reservations and one request pending"
+    assert 0 < bucket.client.pttl(KEY) <= 400
+
+
+@pytest.mark.parametrize("ahead", ["-1", "nan", "abc"])
+def test_invalid_reservation_horizon(bucket: Bucket, ahead: str) -> None:
+    with pytest.raises(redis.ResponseError, match="reserve must be a finite number >= 0"):
+        bucket.call_raw("1000", "1", "1", ahead)
 
 
 def test_refused_call_changes_nothing(bucket: Bucket) -> None:

@@ -1,0 +1,38 @@
+-- Take the requests that are due (or will be within `ahead`) out of the parking set: each one
+-- goes to exactly one caller, since the script runs atomically.
+--
+-- KEYS[1]  the spider's parking set (see park.lua)
+-- ARGV[1]  ahead: microseconds; requests due that soon are taken too, >= 0
+-- ARGV[2]  limit: the most requests to take, >= 1
+--
+-- Returns {parked_left, next_due_ms, member_1, due_in_ms_1, member_2, due_in_ms_2, ...}:
+-- next_due_ms is how long until the next request left is due ("-1" when none is left);
+-- due_in_ms is negative for a request already overdue.
+
+local ahead = tonumber(ARGV[1])
+if ahead == nil or ahead ~= ahead or ahead < 0 or ahead == math.huge then
+  return redis.error_reply("ERR redis_throttle: ahead must be a finite number >= 0, got "
+    .. tostring(ARGV[1]))
+end
+local limit = tonumber(ARGV[2])
+if limit == nil or limit < 1 or limit ~= math.floor(limit) then
+  return redis.error_reply("ERR redis_throttle: limit must be an integer >= 1, got "
+    .. tostring(ARGV[2]))
+end
+
+local time = redis.call("TIME")
+local now = (tonumber(time[1]) - 1704067200) * 1000000 + tonumber(time[2])
+local due = redis.call("ZRANGEBYSCORE", KEYS[1], "-inf", string.format("%.0f", now + ahead),
+  "WITHSCORES", "LIMIT", 0, limit)
+local reply = {0, "-1"}
+for i = 1, #due, 2 do
+  redis.call("ZREM", KEYS[1], due[i])
+  reply[#reply + 1] = due[i]
+  reply[#reply + 1] = string.format("%.3f", (tonumber(due[i + 1]) - now) / 1000)
+end
+local next_due = redis.call("ZRANGE", KEYS[1], 0, 0, "WITHSCORES")
+if next_due[2] then
+  reply[2] = string.format("%.3f", (tonumber(next_due[2]) - now) / 1000)
+end
+reply[1] = redis.call("ZCARD", KEYS[1])
+return reply

@@ -1,0 +1,303 @@
+"""Schedulers with a parking area for requests whose domain has no budget for a while.
+
+A request waiting inside a downloader middleware holds one of the ``CONCURRENT_REQUESTS`` units,
+so a slow domain's waiting requests would stall every other domain. With one of these
+schedulers, the middleware hands such a request back (with its tokens reserved for a moment in
+the future); the scheduler keeps it aside, not in the downloader, and gives it back to the engine
+shortly before that moment.
+
+* :class:`ThrottleScheduler`: Scrapy's own scheduler; parked requests wait in this process.
+* :class:`RedisThrottleScheduler`: scrapy-redis's scheduler; parked requests wait in a sorted set
+  in Redis scored by when they are due, shared by the fleet: whichever worker is free takes each
+  (exactly one, atomically), and a parked request outlives the worker that parked it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import pickle
+import uuid
+from collections import deque
+from contextlib import suppress
+from typing import TYPE_CHECKING, Protocol
+
+from scrapy.core.scheduler import Scheduler
+from scrapy.exceptions import NotConfigured
+from scrapy.utils.defer import deferred_from_coro, maybe_deferred_to_future
+from scrapy.utils.request import request_from_dict
+from scrapy_redis.scheduler import Scheduler as ScrapyRedisScheduler
+
+from .bucket import load_script
+from .config import ThrottleConfig
+from .connection import connect
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+    from scrapy import Request, Spider
+    from scrapy.crawler import Crawler
+    from twisted.internet.defer import Deferred
+
+logger = logging.getLogger(__name__)
+
+# Set by the middleware on a request it hands back: {"delay": seconds, "reserved": bool}.
+PARK_META = "_redis_throttle_park"
+# Set by the scheduler on a request it gives back: {"go_at": loop time, "reserved": bool}.
+RELEASE_META = "_redis_throttle_release"
+# Give parked requests back this long before they are due: the middleware holds them for the
+# rest, so that they leave exactly on time however busy the engine is.
+RELEASE_AHEAD = 0.5
+RELEASE_BATCH = 32
+# How often a worker looks for requests that other workers parked in Redis.
+REDIS_POLL_INTERVAL = 0.25
+_ID_BYTES = 16
+# The release loop and the parking tasks share these.
+PARKING_CONNECTIONS = 4
+
+
+class ParkingStore(Protocol):
+    @property
+    def poll_interval(self) -> float | None:
+        """How often to look for requests that other processes parked (``None``: never)."""
+
+    @property
+    def parked(self) -> int:
+        """Requests parked, as last seen."""
+
+    async def park(self, request: Request, delay: float) -> None: ...
+
+    async def unpark(
+        self, ahead: float, limit: int
+    ) -> tuple[list[tuple[Request, float]], float | None]:
+        """Take out up to *limit* requests due within *ahead* seconds; return them with the
+        seconds until each is due, and the seconds until the next one left is due."""
+        ...
+
+    async def close(self, keep: bool) -> int:
+        """Close the store; unless *keep*, drop what is parked. Return how many were parked."""
+        ...
+
+
+class MemoryParking:
+    """Parked requests in this process, in a heap by due time."""
+
+    poll_interval: float | None = None
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Request]] = []
+        self._order = itertools.count()
+
+    @property
+    def parked(self) -> int:
+        return len(self._heap)
+
+    async def park(self, request: Request, delay: float) -> None:
+        due = asyncio.get_running_loop().time() + delay
+        heapq.heappush(self._heap, (due, next(self._order), request))
+
+    async def unpark(
+        self, ahead: float, limit: int
+    ) -> tuple[list[tuple[Request, float]], float | None]:
+        now = asyncio.get_running_loop().time()
+        due: list[tuple[Request, float]] = []
+        while self._heap and len(due) < limit and self._heap[0][0] <= now + ahead:
+            when, _, request = heapq.heappop(self._heap)
+            due.append((request, when - now))
+        return due, (self._heap[0][0] - now if self._heap else None)
+
+    async def close(self, keep: bool) -> int:
+        parked = len(self._heap)
+        self._heap.clear()
+        return parked
+
+
+class RedisParking:
+    """Parked requests in a Redis sorted set shared by every worker of the spider."""
+
+    poll_interval: float | None = REDIS_POLL_INTERVAL
+
+    def __init__(self, redis: Redis, key: str, spider: Spider) -> None:
+        self.key = key
+        self.parked = 0
+        self._redis = redis
+        self._spider = spider
+        self._park_script = redis.register_script(load_script("park.lua"))
+        self._unpark_script = redis.register_script(load_script("unpark.lua"))
+
+    async def park(self, request: Request, delay: float) -> None:
+        # A unique prefix: two equal requests must stay two members.
+        member = uuid.uuid4().bytes + pickle.dumps(
+            request.to_dict(spider=self._spider), protocol=pickle.HIGHEST_PROTOCOL
+        )
+        self.parked = int(
+            await self._park_script(keys=[self.key], args=[repr(delay * 1e6), member])
+        )
+
+    async def unpark(
+        self, ahead: float, limit: int
+    ) -> tuple[list[tuple[Request, float]], float | None]:
+        reply = await self._unpark_script(keys=[self.key], args=[repr(ahead * 1e6), limit])
+        self.parked = int(reply[0])
+        next_due = float(reply[1])
+        due = [
+            (
+                request_from_dict(pickle.loads(member[_ID_BYTES:]), spider=self._spider),
+                float(ms) / 1000,
+            )
+            for member, ms in zip(reply[2::2], reply[3::2], strict=True)
+        ]
+        return due, (next_due / 1000 if next_due >= 0 else None)
+
+    async def close(self, keep: bool) -> int:
+        parked = int(await self._redis.zcard(self.key))
+        if not keep:
+            await self._redis.delete(self.key)
+        await self._redis.aclose(close_connection_pool=True)
+        return parked
+
+
+class ParkingScheduler:
+    """What both schedulers add to the scheduler they extend (a mixin: put it first)."""
+
+    _store: ParkingStore
+    _crawler: Crawler
+
+    def _start_parking(self, crawler: Crawler, store: ParkingStore) -> None:
+        self._crawler = crawler
+        self._store = store
+        self._ready: deque[Request] = deque()
+        self._parking_tasks: set[asyncio.Task[None]] = set()
+        self._wake_up = asyncio.Event()
+        self._releaser = asyncio.ensure_future(self._release_loop())
+
+    def enqueue_request(self, request: Request) -> bool:
+        if RELEASE_META in request.meta:  # given back by _release_loop, through engine.crawl()
+            self._ready.append(request)
+            return True
+        park = request.meta.get(PARK_META)
+        if park is None:
+            return super().enqueue_request(request)  # type: ignore[misc,no-any-return]
+        task = asyncio.ensure_future(self._park(request, park["delay"]))
+        self._parking_tasks.add(task)
+        task.add_done_callback(self._parking_tasks.discard)
+        return True
+
+    async def _park(self, request: Request, delay: float) -> None:
+        try:
+            await self._store.park(request, delay)
+        except Exception:
+            # Better early than lost: the middleware makes it wait again.
+            logger.exception("Redis throttle: could not park %s; it is scheduled now", request)
+            self._give_back(request, 0.0)
+            return
+        self._crawler.stats.inc_value("redis_throttle/parked")
+        self._wake_up.set()  # it may be due before whatever the release loop waits for
+
+    def next_request(self) -> Request | None:
+        if self._ready:
+            return self._ready.popleft()
+        return super().next_request()  # type: ignore[misc,no-any-return]
+
+    def has_pending_requests(self) -> bool:
+        return (
+            bool(self._ready or self._parking_tasks or self._store.parked)
+            or super().has_pending_requests()  # type: ignore[misc]
+        )
+
+    def _give_back(self, request: Request, due_in: float) -> None:
+        park = request.meta.pop(PARK_META)
+        request.meta[RELEASE_META] = {
+            "go_at": asyncio.get_running_loop().time() + due_in,
+            "reserved": park["reserved"],
+        }
+        # engine.crawl() queues it (enqueue_request above) and wakes the engine up.
+        self._crawler.engine.crawl(request)
+
+    async def _release_loop(self) -> None:
+        while True:
+            self._wake_up.clear()
+            try:
+                due, next_due = await self._store.unpark(RELEASE_AHEAD, RELEASE_BATCH)
+            except Exception:
+                logger.exception("Redis throttle: could not look for parked requests")
+                due, next_due = [], None
+            for request, due_in in due:
+                self._give_back(request, due_in)
+            timeout = self._store.poll_interval or 1.0
+            if next_due is not None:
+                timeout = min(timeout, max(0.0, next_due - RELEASE_AHEAD))
+            if len(due) == RELEASE_BATCH:
+                timeout = 0.0
+            with suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake_up.wait(), timeout)
+
+    async def _stop_parking(self, keep: bool) -> None:
+        self._releaser.cancel()
+        with suppress(asyncio.CancelledError):
+            await self._releaser
+        if self._parking_tasks:
+            await asyncio.gather(*self._parking_tasks, return_exceptions=True)
+        # Given back but not yet taken by the engine: park them again, due at once.
+        for request in self._ready:
+            request.meta[PARK_META] = {"delay": 0.0, "reserved": False}
+            request.meta.pop(RELEASE_META, None)
+            await self._store.park(request, 0.0)
+        self._ready.clear()
+        parked = await self._store.close(keep)
+        if not parked:
+            return
+        if keep:
+            logger.info("Redis throttle: %d parked requests stay in Redis for the next run", parked)
+        else:
+            self._crawler.stats.set_value("redis_throttle/parked_not_crawled", parked)
+            logger.warning(
+                "Redis throttle: %d parked requests were not crawled (they were waiting for "
+                "their domains' budgets when the spider closed)",
+                parked,
+            )
+
+
+class ThrottleScheduler(ParkingScheduler, Scheduler):
+    """Scrapy's scheduler, with parked requests kept in this process.
+
+    ``SCHEDULER = "scrapy_redis_throttle.ThrottleScheduler"``
+    """
+
+    def open(self, spider: Spider) -> Deferred[None] | None:
+        result = super().open(spider)
+        self._start_parking(spider.crawler, MemoryParking())
+        return result
+
+    def close(self, reason: str) -> Deferred[None] | None:
+        parent = super().close(reason)
+        return deferred_from_coro(self._close(parent))
+
+    async def _close(self, parent: Deferred[None] | None) -> None:
+        await self._stop_parking(keep=False)
+        if parent is not None:
+            await maybe_deferred_to_future(parent)
+
+
+class RedisThrottleScheduler(ParkingScheduler, ScrapyRedisScheduler):  # type: ignore[misc]
+    """scrapy-redis's scheduler, with parked requests kept in Redis (key ``<queue key>:parked``)
+    for the whole fleet. With ``SCHEDULER_PERSIST = True`` they stay there when the spider closes.
+
+    ``SCHEDULER = "scrapy_redis_throttle.RedisThrottleScheduler"``
+    """
+
+    def open(self, spider: Spider) -> None:
+        super().open(spider)
+        crawler = spider.crawler
+        try:
+            config = ThrottleConfig.from_crawler(crawler)
+        except NotConfigured:  # the throttle is off: nothing will be parked
+            self._start_parking(crawler, MemoryParking())
+            return
+        redis = connect(config, max_connections=PARKING_CONNECTIONS)
+        self._start_parking(crawler, RedisParking(redis, f"{self.queue.key}:parked", spider))
+
+    def close(self, reason: str) -> Deferred[None]:
+        super().close(reason)
+        return deferred_from_coro(self._stop_parking(keep=self.persist))
