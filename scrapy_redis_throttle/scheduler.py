@@ -63,8 +63,8 @@ class ParkingStore(Protocol):
         """How often to look for requests that other processes parked (``None``: never)."""
 
     @property
-    def parked(self) -> int:
-        """Requests parked, as last seen."""
+    def parked(self) -> int | None:
+        """Requests parked, as last seen (``None``: not known yet)."""
 
     async def park(self, request: Request, delay: float) -> None: ...
 
@@ -120,7 +120,8 @@ class RedisParking:
 
     def __init__(self, redis: Redis, key: str, spider: Spider) -> None:
         self.key = key
-        self.parked = 0
+        # Unknown until the first look: the spider must not close as idle meanwhile.
+        self.parked: int | None = None
         self._redis = redis
         self._spider = spider
         self._park_script = redis.register_script(load_script("park.lua"))
@@ -170,6 +171,7 @@ class ParkingScheduler:
         self._ready: deque[Request] = deque()
         self._parking_tasks: set[asyncio.Task[None]] = set()
         self._wake_up = asyncio.Event()
+        self._stopping = False
         self._releaser = asyncio.ensure_future(self._release_loop())
 
     def enqueue_request(self, request: Request) -> bool:
@@ -202,7 +204,7 @@ class ParkingScheduler:
 
     def has_pending_requests(self) -> bool:
         return (
-            bool(self._ready or self._parking_tasks or self._store.parked)
+            bool(self._ready or self._parking_tasks or self._store.parked != 0)
             or super().has_pending_requests()  # type: ignore[misc]
         )
 
@@ -216,7 +218,8 @@ class ParkingScheduler:
         self._crawler.engine.crawl(request)
 
     async def _release_loop(self) -> None:
-        while True:
+        # Stopped by a flag, not by cancelling: a cancellation can get lost inside wait_for().
+        while not self._stopping:
             self._wake_up.clear()
             try:
                 due, next_due = await self._store.unpark(RELEASE_AHEAD, RELEASE_BATCH)
@@ -224,7 +227,10 @@ class ParkingScheduler:
                 logger.exception("Redis throttle: could not look for parked requests")
                 due, next_due = [], None
             for request, due_in in due:
-                self._give_back(request, due_in)
+                if self._stopping:  # the engine is closing: park them again below
+                    self._ready.append(request)
+                else:
+                    self._give_back(request, due_in)
             timeout = self._store.poll_interval or 1.0
             if next_due is not None:
                 timeout = min(timeout, max(0.0, next_due - RELEASE_AHEAD))
@@ -234,9 +240,9 @@ class ParkingScheduler:
                 await asyncio.wait_for(self._wake_up.wait(), timeout)
 
     async def _stop_parking(self, keep: bool) -> None:
-        self._releaser.cancel()
-        with suppress(asyncio.CancelledError):
-            await self._releaser
+        self._stopping = True
+        self._wake_up.set()
+        await self._releaser
         if self._parking_tasks:
             await asyncio.gather(*self._parking_tasks, return_exceptions=True)
         # Given back but not yet taken by the engine: park them again, due at once.

@@ -1,0 +1,127 @@
+"""Parking: requests that must wait long leave the downloader, so slow domains starve no one."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+from demo_site import HOSTS, DemoSite
+from local_redis import RedisServer
+from support import achieved_rate, assert_paced, async_test, crawl_settings, run_crawl
+
+from scrapy_redis_throttle.scheduler import PARK_META
+
+SLOW, FREE, _ = HOSTS
+SCRAPY_REDIS = {
+    "SCHEDULER": "scrapy_redis_throttle.RedisThrottleScheduler",
+    "DUPEFILTER_CLASS": "scrapy_redis.dupefilter.RFPDupeFilter",
+}
+SCHEDULERS = {
+    "scrapy": {"SCHEDULER": "scrapy_redis_throttle.ThrottleScheduler"},
+    "scrapy-redis-priority": SCRAPY_REDIS,
+    "scrapy-redis-fifo": {**SCRAPY_REDIS, "SCHEDULER_QUEUE_CLASS": "scrapy_redis.queue.FifoQueue"},
+    "scrapy-redis-lifo": {**SCRAPY_REDIS, "SCHEDULER_QUEUE_CLASS": "scrapy_redis.queue.LifoQueue"},
+}
+
+
+def requests(site: DemoSite, host: str, count: int) -> list[dict[str, Any]]:
+    return [{"url": site.url(host, f"/page/{n}")} for n in range(count)]
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+@async_test
+async def test_a_slow_domain_does_not_starve_the_others(
+    redis_server: RedisServer, site: DemoSite, scheduler: str
+) -> None:
+    """The measured scenario: 4 concurrent requests, one domain at one request per 3 s."""
+    crawler = await run_crawl(
+        crawl_settings(
+            redis_server.url, CONCURRENT_REQUESTS=4, REDIS_THROTTLE_DEFAULT_RATE=None,
+            **SCHEDULERS[scheduler],
+        ),
+        requests(site, SLOW, 4) + requests(site, FREE, 40),
+        redis_throttle_rates={SLOW: "1/3s"},
+    )  # fmt: skip
+
+    slow = sorted(a.time for a in site.arrivals(SLOW))
+    free = sorted(a.time for a in site.arrivals(FREE))
+    # Every free request went before the slow domain's second token (3 s in): nothing held
+    # the 4 download slots meanwhile.
+    assert free[-1] < slow[1], f"the free domain finished {free[-1] - slow[1]:.2f} s after"
+    for host, count in ((SLOW, 4), (FREE, 40)):
+        paths = Counter(a.path for a in site.arrivals(host))
+        assert sorted(paths) == sorted(f"/page/{n}" for n in range(count)), f"{host}: lost"
+        assert max(paths.values()) == 1, f"{host}: fetched twice"
+    assert_paced(slow, rate=1 / 3, burst=1, what=SLOW)
+    assert achieved_rate(slow, burst=1) >= 0.9 / 3
+    stats = crawler.stats.get_stats()
+    assert stats["redis_throttle/park_requests"] == 3
+    assert stats["redis_throttle/parked"] == 3
+    assert stats["redis_throttle/requests"] == 4
+    assert stats["redis_throttle/redis_calls"] == 4, "one call per request: tokens reserved"
+    assert "redis_throttle/released_late" not in stats
+    with redis_server.client() as client:
+        assert client.keys("*:parked") == [], "nothing left parked"
+
+
+@async_test
+async def test_redis_parked_requests_survive_the_close_for_the_next_run(
+    redis_server: RedisServer, site: DemoSite, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="scrapy_redis_throttle")
+    settings = crawl_settings(redis_server.url, SCHEDULER_PERSIST=True, **SCRAPY_REDIS)
+    started = time.monotonic()
+    await run_crawl(
+        {**settings, "CLOSESPIDER_TIMEOUT": 2},
+        requests(site, SLOW, 3),
+        redis_throttle_rates={SLOW: "1/30s"},
+    )
+    took = time.monotonic() - started
+    assert took < 2 + 2, f"a 30 s wait delayed the close: the crawl took {took:.1f} s"
+
+    assert len(site.arrivals(SLOW)) == 1
+    with redis_server.client() as client:
+        members = client.zrange("url_list:requests:parked", 0, -1)
+        parked = [pickle.loads(member[16:]) for member in members]  # Request.to_dict() output
+        assert len(parked) == 2, "both waiting requests are still in Redis"
+        assert {r["url"] for r in parked} | {site.url(SLOW, site.arrivals(SLOW)[0].path)} == {
+            site.url(SLOW, f"/page/{n}") for n in range(3)
+        }
+        assert all(PARK_META in r["meta"] for r in parked)
+        assert any("2 parked requests stay in Redis" in r.getMessage() for r in caplog.records)
+        # As if the next run started a minute later: they are due, their reservations passed.
+        client.zadd("url_list:requests:parked", dict.fromkeys(members, 0))
+        client.delete(f"redis_throttle:{{{SLOW}}}:bucket")
+
+    crawler = await run_crawl(settings, [], redis_throttle_rates={SLOW: "2/s"})
+    assert sorted(a.path for a in site.arrivals(SLOW)) == [f"/page/{n}" for n in range(3)]
+    assert crawler.stats.get_value("redis_throttle/requests") == 2
+    assert crawler.stats.get_value("redis_throttle/released_late") == 2
+    assert_paced([a.time for a in site.arrivals(SLOW)][1:], rate=2, burst=1, what=SLOW)
+    with redis_server.client() as client:
+        assert client.keys("*:parked") == []
+
+
+@pytest.mark.parametrize("scheduler", ["scrapy", "scrapy-redis-priority"])
+@async_test
+async def test_parked_requests_not_kept_are_counted_and_logged(
+    redis_server: RedisServer, site: DemoSite, scheduler: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="scrapy_redis_throttle")
+    started = time.monotonic()
+    crawler = await run_crawl(
+        crawl_settings(redis_server.url, CLOSESPIDER_TIMEOUT=2, **SCHEDULERS[scheduler]),
+        requests(site, SLOW, 3),
+        redis_throttle_rates={SLOW: "1/30s"},
+    )
+    took = time.monotonic() - started
+    assert took < 2 + 2, f"a 30 s wait delayed the close: the crawl took {took:.1f} s"
+    assert len(site.arrivals(SLOW)) == 1
+    assert crawler.stats.get_value("redis_throttle/parked_not_crawled") == 2
+    assert any("2 parked requests were not crawled" in r.getMessage() for r in caplog.records)
+    with redis_server.client() as client:
+        assert client.keys("*:parked") == []
