@@ -82,7 +82,7 @@ def runs(limits: dict[str, Limit | None], baseline: bool) -> list[Run]:
         {
             "REDIS_THROTTLE_ENABLED": "False",
             "DOWNLOAD_SLOTS": json.dumps(slots),
-            "RANDOMIZE_DOWNLOAD_DELAY": "False",
+            "DOWNLOAD_DELAY_JITTER": "0",
         },
     )
     return [shared, per_process] if baseline else [shared]

@@ -10,7 +10,7 @@ import json
 import sys
 
 from scrapy.crawler import CrawlerProcess
-from support import UrlListSpider
+from spiders import UrlListSpider
 
 
 def main() -> None:

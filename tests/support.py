@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Generator
+from collections.abc import Callable, Coroutine, Generator
 from typing import TYPE_CHECKING, Any
 
 import pytest
 import pytest_twisted
-from scrapy import Request, Spider
 from scrapy.crawler import CrawlerRunner
 from scrapy.utils.defer import deferred_from_coro, maybe_deferred_to_future
+from spiders import UrlListSpider
 from twisted.internet.defer import Deferred
 
 if TYPE_CHECKING:
     from scrapy.crawler import Crawler
-    from scrapy.http import Response
-    from twisted.python.failure import Failure
 
 
 def wait_until(
@@ -71,38 +69,6 @@ def achieved_rate(times: list[float], burst: int) -> float:
     """Requests per second after the initial burst, over the busy period."""
     times = sorted(times)
     return (len(times) - burst) / (times[-1] - times[0])
-
-
-class UrlListSpider(Spider):
-    """Requests the given URLs once each (``requests``: dicts with ``url`` and optional ``meta``)
-    and counts what came back."""
-
-    name = "url_list"
-    requests: list[dict[str, Any]]
-    barrier: dict[str, Any] | None = None
-
-    async def start(self) -> AsyncIterator[Request]:
-        if self.barrier:
-            await self._wait_for_go(**self.barrier)
-        for spec in self.requests:
-            yield Request(spec["url"], meta=spec.get("meta", {}), dont_filter=True,
-                          callback=self.parse, errback=self.failed)  # fmt: skip
-
-    @staticmethod
-    async def _wait_for_go(redis_url: str, key: str) -> None:
-        """Say we are ready, then wait for the test to let every worker go at once."""
-        from redis.asyncio import Redis
-
-        client = Redis.from_url(redis_url)
-        await client.rpush(f"{key}:ready", 1)
-        assert await client.blpop([f"{key}:go"], timeout=60), "no go signal within 60 s"
-        await client.aclose()
-
-    def parse(self, response: Response) -> None:
-        self.crawler.stats.inc_value("test/responses")
-
-    def failed(self, failure: Failure) -> None:
-        self.crawler.stats.inc_value(f"test/failures/{failure.type.__name__}")  # type: ignore[union-attr]
 
 
 BASE_SETTINGS: dict[str, Any] = {

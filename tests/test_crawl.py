@@ -18,11 +18,13 @@ from typing import Any
 import pytest
 from demo_site import HOSTS, DemoSite
 from local_redis import RedisServer
-from scrapy.crawler import CrawlerRunner
+from scrapy.addons import AddonManager
+from scrapy.crawler import Crawler, CrawlerRunner
+from scrapy.settings import Settings
 from scrapy.utils.defer import maybe_deferred_to_future
+from spiders import UrlListSpider
 from support import (
     ARRIVAL_JITTER,
-    UrlListSpider,
     achieved_rate,
     assert_paced,
     async_test,
@@ -334,24 +336,22 @@ def test_other_reactors_fail_at_start_up_with_a_clear_message(
 
 
 def test_addon_adds_the_middleware_without_overriding_the_user() -> None:
-    from scrapy.settings import Settings
+    def with_addon(**project: Any) -> Settings:
+        settings = Settings({"ADDONS": {Addon: 100}, **project})
+        AddonManager(Crawler(UrlListSpider, settings)).load_settings(settings)
+        return settings
 
-    settings = Settings({"ADDONS": {Addon: 100}})
-    settings_with_user_choice = Settings(
-        {
-            "ADDONS": {Addon: 100},
-            "DOWNLOADER_MIDDLEWARES": {"scrapy_redis_throttle.RedisThrottleMiddleware": 123},
-        }
-    )
-    for s in (settings, settings_with_user_choice):
-        from scrapy.addons import AddonManager
-        from scrapy.crawler import Crawler
-
-        AddonManager(Crawler(UrlListSpider, s)).load_settings(s)
+    settings = with_addon()
     assert settings.getdict("DOWNLOADER_MIDDLEWARES") == {RedisThrottleMiddleware: 950}
-    assert settings_with_user_choice.getdict("DOWNLOADER_MIDDLEWARES") == {
+    assert settings["SCHEDULER"] == "scrapy_redis_throttle.ThrottleScheduler"
+    settings = with_addon(
+        DOWNLOADER_MIDDLEWARES={"scrapy_redis_throttle.RedisThrottleMiddleware": 123},
+        SCHEDULER="scrapy_redis.scheduler.Scheduler",
+    )
+    assert settings.getdict("DOWNLOADER_MIDDLEWARES") == {
         "scrapy_redis_throttle.RedisThrottleMiddleware": 123
     }
+    assert settings["SCHEDULER"] == "scrapy_redis.scheduler.Scheduler"
 
 
 @async_test

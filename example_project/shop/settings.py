@@ -6,8 +6,10 @@ BOT_NAME = "shop"
 SPIDER_MODULES = ["shop.spiders"]
 ROBOTSTXT_OBEY = False
 
-# scrapy-redis: every worker pulls from, and adds to, one shared frontier in Redis.
-SCHEDULER = "scrapy_redis.scheduler.Scheduler"
+# scrapy-redis: every worker pulls from, and adds to, one shared frontier in Redis. This
+# subclass of scrapy-redis's scheduler also keeps, in Redis, the requests that must wait long for
+# their domain's budget, so that they do not hold download slots meanwhile.
+SCHEDULER = "scrapy_redis_throttle.RedisThrottleScheduler"
 DUPEFILTER_CLASS = "scrapy_redis.dupefilter.RFPDupeFilter"
 # Keep the frontier when one worker stops, or it would be cleared for all the others.
 SCHEDULER_PERSIST = True

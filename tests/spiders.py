@@ -1,0 +1,44 @@
+"""The spider of the tests and benchmarks (no pytest needed, so the benchmarks can use it)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from scrapy import Request, Spider
+
+if TYPE_CHECKING:
+    from scrapy.http import Response
+    from twisted.python.failure import Failure
+
+
+class UrlListSpider(Spider):
+    """Requests the given URLs once each (``requests``: dicts with ``url`` and optional ``meta``)
+    and counts what came back."""
+
+    name = "url_list"
+    requests: list[dict[str, Any]]
+    barrier: dict[str, Any] | None = None
+
+    async def start(self) -> AsyncIterator[Request]:
+        if self.barrier:
+            await self._wait_for_go(**self.barrier)
+        for spec in self.requests:
+            yield Request(spec["url"], meta=spec.get("meta", {}), dont_filter=True,
+                          callback=self.parse, errback=self.failed)  # fmt: skip
+
+    @staticmethod
+    async def _wait_for_go(redis_url: str, key: str) -> None:
+        """Say we are ready, then wait for the test to let every worker go at once."""
+        from redis.asyncio import Redis
+
+        client = Redis.from_url(redis_url)
+        await client.rpush(f"{key}:ready", 1)
+        assert await client.blpop([f"{key}:go"], timeout=60), "no go signal within 60 s"
+        await client.aclose()
+
+    def parse(self, response: Response) -> None:
+        self.crawler.stats.inc_value("test/responses")
+
+    def failed(self, failure: Failure) -> None:
+        self.crawler.stats.inc_value(f"test/failures/{failure.type.__name__}")  # type: ignore[union-attr]
