@@ -18,12 +18,13 @@ import asyncio
 import heapq
 import itertools
 import logging
-import pickle
 import uuid
 from collections import deque
 from contextlib import suppress
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from scrapy.core.scheduler import Scheduler
 from scrapy.exceptions import NotConfigured
 from scrapy.utils.defer import deferred_from_coro, maybe_deferred_to_future
@@ -55,6 +56,10 @@ REDIS_POLL_INTERVAL = 0.25
 _ID_BYTES = 16
 # The release loop and the parking tasks share these.
 PARKING_CONNECTIONS = 4
+# Tries to make sure a request whose parking failed is not parked after all.
+FORGET_ATTEMPTS = 5
+# How soon to look again when the engine could take no request.
+BUSY_RETRY = 0.05
 
 
 class ParkingStore(Protocol):
@@ -118,22 +123,42 @@ class RedisParking:
 
     poll_interval: float | None = REDIS_POLL_INTERVAL
 
-    def __init__(self, redis: Redis, key: str, spider: Spider) -> None:
+    def __init__(self, redis: Redis, key: str, spider: Spider, serializer: Any) -> None:
         self.key = key
         # Unknown until the first look: the spider must not close as idle meanwhile.
         self.parked: int | None = None
         self._redis = redis
         self._spider = spider
+        self._serializer = serializer  # scrapy-redis's SCHEDULER_SERIALIZER (pickle by default)
         self._park_script = redis.register_script(load_script("park.lua"))
         self._unpark_script = redis.register_script(load_script("unpark.lua"))
 
     async def park(self, request: Request, delay: float) -> None:
+        encoded = self._serializer.dumps(request.to_dict(spider=self._spider))
         # A unique prefix: two equal requests must stay two members.
-        member = uuid.uuid4().bytes + pickle.dumps(
-            request.to_dict(spider=self._spider), protocol=pickle.HIGHEST_PROTOCOL
-        )
-        self.parked = int(
-            await self._park_script(keys=[self.key], args=[repr(delay * 1e6), member])
+        member = uuid.uuid4().bytes + (encoded.encode() if isinstance(encoded, str) else encoded)
+        try:
+            reply = await self._park_script(keys=[self.key], args=[repr(delay * 1e6), member])
+        except (RedisConnectionError, RedisTimeoutError):
+            # The reply is lost, not necessarily the park: make sure the request is not in the
+            # set before the caller keeps it, or it would be crawled twice.
+            await self._forget(member)
+            raise
+        self.parked = int(reply)
+
+    async def _forget(self, member: bytes) -> None:
+        delay = 0.1
+        for _ in range(FORGET_ATTEMPTS):
+            try:
+                await self._redis.zrem(self.key, member)
+                return
+            except (RedisConnectionError, RedisTimeoutError):
+                await asyncio.sleep(delay)
+                delay *= 2
+        logger.error(
+            "Redis throttle: a request whose parking failed may also stay parked in %s and be "
+            "crawled twice",
+            self.key,
         )
 
     async def unpark(
@@ -142,21 +167,25 @@ class RedisParking:
         reply = await self._unpark_script(keys=[self.key], args=[repr(ahead * 1e6), limit])
         self.parked = int(reply[0])
         next_due = float(reply[1])
-        due = [
-            (
-                request_from_dict(pickle.loads(member[_ID_BYTES:]), spider=self._spider),
-                float(ms) / 1000,
-            )
-            for member, ms in zip(reply[2::2], reply[3::2], strict=True)
-        ]
+        due = []
+        for member, due_in_ms in zip(reply[2::2], reply[3::2], strict=True):
+            try:
+                encoded = member[_ID_BYTES:]
+                request = request_from_dict(self._serializer.loads(encoded), spider=self._spider)
+            except Exception:
+                logger.exception("Redis throttle: dropped a parked request that cannot be read")
+                continue
+            due.append((request, float(due_in_ms) / 1000))
         return due, (next_due / 1000 if next_due >= 0 else None)
 
     async def close(self, keep: bool) -> int:
-        parked = int(await self._redis.zcard(self.key))
-        if not keep:
-            await self._redis.delete(self.key)
-        await self._redis.aclose(close_connection_pool=True)
-        return parked
+        try:
+            parked = int(await self._redis.zcard(self.key))
+            if not keep:
+                await self._redis.delete(self.key)
+            return parked
+        finally:
+            await self._redis.aclose(close_connection_pool=True)
 
 
 class ParkingScheduler:
@@ -172,6 +201,8 @@ class ParkingScheduler:
         self._parking_tasks: set[asyncio.Task[None]] = set()
         self._wake_up = asyncio.Event()
         self._stopping = False
+        self._parks_done = 0
+        self._concurrency = crawler.settings.getint("CONCURRENT_REQUESTS")
         self._releaser = asyncio.ensure_future(self._release_loop())
 
     def enqueue_request(self, request: Request) -> bool:
@@ -190,10 +221,13 @@ class ParkingScheduler:
         try:
             await self._store.park(request, delay)
         except Exception:
-            # Better early than lost: the middleware makes it wait again.
-            logger.exception("Redis throttle: could not park %s; it is scheduled now", request)
-            self._give_back(request, 0.0)
+            # Not lost: the middleware holds it until its moment instead.
+            logger.exception(
+                "Redis throttle: could not park %s; it waits in the downloader", request
+            )
+            self._give_back(request, delay)
             return
+        self._parks_done += 1
         self._crawler.stats.inc_value("redis_throttle/parked")
         self._wake_up.set()  # it may be due before whatever the release loop waits for
 
@@ -205,6 +239,7 @@ class ParkingScheduler:
     def has_pending_requests(self) -> bool:
         return (
             bool(self._ready or self._parking_tasks or self._store.parked != 0)
+            or self._wake_up.is_set()  # a park that the parked count may not show yet
             or super().has_pending_requests()  # type: ignore[misc]
         )
 
@@ -217,41 +252,74 @@ class ParkingScheduler:
         # engine.crawl() queues it (enqueue_request above) and wakes the engine up.
         self._crawler.engine.crawl(request)
 
+    def _room(self) -> int:
+        """How many requests the engine could start now: take no more than that out of the
+        parking area, or they would miss their moment here while another worker has room."""
+        engine = self._crawler.engine
+        try:
+            if engine.needs_backout():
+                return 0
+        except (AssertionError, AttributeError):  # the engine is still opening the spider
+            return 0
+        free = self._concurrency - len(engine.downloader.active) - len(self._ready)
+        return min(max(free, 0), RELEASE_BATCH)
+
     async def _release_loop(self) -> None:
         # Stopped by a flag, not by cancelling: a cancellation can get lost inside wait_for().
         while not self._stopping:
             self._wake_up.clear()
-            try:
-                due, next_due = await self._store.unpark(RELEASE_AHEAD, RELEASE_BATCH)
-            except Exception:
-                logger.exception("Redis throttle: could not look for parked requests")
-                due, next_due = [], None
-            for request, due_in in due:
-                if self._stopping:  # the engine is closing: park them again below
-                    self._ready.append(request)
-                else:
-                    self._give_back(request, due_in)
-            timeout = self._store.poll_interval or 1.0
-            if next_due is not None:
-                timeout = min(timeout, max(0.0, next_due - RELEASE_AHEAD))
-            if len(due) == RELEASE_BATCH:
-                timeout = 0.0
+            timeout = await self._release_due()
             with suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake_up.wait(), timeout)
+
+    async def _release_due(self) -> float:
+        """Give back what is due and there is room for; return how long to wait until next."""
+        room = self._room()
+        if not room:
+            return BUSY_RETRY
+        parks_before = self._parks_done
+        try:
+            due, next_due = await self._store.unpark(RELEASE_AHEAD, room)
+        except Exception:
+            logger.exception("Redis throttle: could not look for parked requests")
+            return self._store.poll_interval or 1.0
+        if self._parks_done != parks_before:
+            self._wake_up.set()  # a park crossed this look: look again, its count may be missing
+        for request, due_in in due:
+            if self._stopping:  # the engine is closing: park them again in _stop_parking()
+                self._ready.append(request)
+                continue
+            try:
+                self._give_back(request, due_in)
+            except Exception:
+                logger.exception("Redis throttle: could not give back %s", request)
+        if len(due) == room:
+            return 0.0
+        timeout = self._store.poll_interval or 1.0
+        if next_due is not None:
+            timeout = min(timeout, max(0.0, next_due - RELEASE_AHEAD))
+        return timeout
 
     async def _stop_parking(self, keep: bool) -> None:
         self._stopping = True
         self._wake_up.set()
-        await self._releaser
+        try:
+            await self._releaser
+        except Exception:
+            logger.exception("Redis throttle: the parking area's release loop failed")
         if self._parking_tasks:
             await asyncio.gather(*self._parking_tasks, return_exceptions=True)
-        # Given back but not yet taken by the engine: park them again, due at once.
-        for request in self._ready:
-            request.meta[PARK_META] = {"delay": 0.0, "reserved": False}
-            request.meta.pop(RELEASE_META, None)
-            await self._store.park(request, 0.0)
-        self._ready.clear()
-        parked = await self._store.close(keep)
+        try:
+            # Given back but not yet taken by the engine: park them again, due at once.
+            for request in self._ready:
+                request.meta[PARK_META] = {"delay": 0.0, "reserved": False}
+                request.meta.pop(RELEASE_META, None)
+                await self._store.park(request, 0.0)
+            self._ready.clear()
+            parked = await self._store.close(keep)
+        except Exception:
+            logger.exception("Redis throttle: could not close the parking area")
+            return
         if not parked:
             return
         if keep:
@@ -302,8 +370,23 @@ class RedisThrottleScheduler(ParkingScheduler, ScrapyRedisScheduler):  # type: i
             self._start_parking(crawler, MemoryParking())
             return
         redis = connect(config, max_connections=PARKING_CONNECTIONS)
-        self._start_parking(crawler, RedisParking(redis, f"{self.queue.key}:parked", spider))
+        # The queue's serializer: SCHEDULER_SERIALIZER, or scrapy-redis's default (pickle).
+        store = RedisParking(redis, self._parked_key(spider), spider, self.queue.serializer)
+        self._start_parking(crawler, store)
+
+    def _parked_key(self, spider: Spider) -> str:
+        return f"{self.queue_key % {'spider': spider.name}}:parked"
+
+    def flush(self) -> None:
+        """Also empty the parking area (``SCHEDULER_FLUSH_ON_START``, and closes without
+        ``SCHEDULER_PERSIST``)."""
+        super().flush()
+        self.server.delete(self._parked_key(self.spider))
 
     def close(self, reason: str) -> Deferred[None]:
+        return deferred_from_coro(self._close(reason))
+
+    async def _close(self, reason: str) -> None:
+        # Parking first: without SCHEDULER_PERSIST, scrapy-redis's close flushes the parked set.
+        await self._stop_parking(keep=self.persist)
         super().close(reason)
-        return deferred_from_coro(self._stop_parking(keep=self.persist))
