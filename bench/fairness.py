@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from demo_site import DemoSite  # noqa: E402
 from local_redis import RedisServer  # noqa: E402
+from run_demo import busiest_window  # noqa: E402
 from scrapy.crawler import CrawlerRunner  # noqa: E402
 from scrapy.exceptions import ScrapyDeprecationWarning  # noqa: E402
 from scrapy.utils.defer import deferred_from_coro, maybe_deferred_to_future  # noqa: E402
@@ -89,15 +90,6 @@ def settings_for(mode: str, scenario: Scenario, redis_url: str) -> dict[str, Any
     return settings
 
 
-def max_in_window(times: list[float], window: float) -> int:
-    best = start = 0
-    for end, t in enumerate(times):
-        while t - times[start] >= window:
-            start += 1
-        best = max(best, end - start + 1)
-    return best
-
-
 async def crawl(
     scenario: Scenario, mode: str, with_slow: bool, redis: RedisServer
 ) -> dict[str, Any]:
@@ -126,7 +118,7 @@ async def crawl(
         slow_kept = (
             all(
                 # 1 request per SLOW_INTERVAL, burst 1: at most 1 + W / interval in any window W
-                max_in_window(sorted(a.time for a in site.arrivals(h)), w)
+                busiest_window(sorted(a.time for a in site.arrivals(h)), w)
                 <= 1 + w / SLOW_INTERVAL + 0.05
                 for h in scenario.slow_hosts
                 for w in (1.0, SLOW_INTERVAL, 10.0)

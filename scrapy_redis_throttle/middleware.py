@@ -7,6 +7,9 @@ Settings (see README.md for the full reference):
 * ``REDIS_THROTTLE_RATES`` and the spider attribute ``redis_throttle_rates`` - per-domain limits
 * ``REDIS_THROTTLE_URL`` / ``REDIS_THROTTLE_PARAMS`` - default to scrapy-redis's ``REDIS_URL`` /
   ``REDIS_PARAMS``
+* ``REDIS_THROTTLE_MAX_HOLD``, ``REDIS_THROTTLE_MAX_RESERVE`` - how long a request may wait here
+  (longer waits are parked when ``SCHEDULER`` is one of :mod:`scrapy_redis_throttle.scheduler`'s)
+  and how far ahead it may reserve its tokens
 * ``REDIS_THROTTLE_KEY_PREFIX``, ``REDIS_THROTTLE_MAX_CONNECTIONS``
 
 Request meta keys: ``dont_redis_throttle``, ``redis_throttle_key``, ``redis_throttle_cost``.
