@@ -23,6 +23,7 @@ from collections import deque
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any, Protocol
 
+from redis import Redis as SyncRedis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from scrapy.core.scheduler import Scheduler
@@ -68,8 +69,8 @@ class ParkingStore(Protocol):
         """How often to look for requests that other processes parked (``None``: never)."""
 
     @property
-    def parked(self) -> int | None:
-        """Requests parked, as last seen (``None``: not known yet)."""
+    def parked(self) -> int:
+        """Requests parked, as last seen."""
 
     async def park(self, request: Request, delay: float) -> None: ...
 
@@ -125,8 +126,7 @@ class RedisParking:
 
     def __init__(self, redis: Redis, key: str, spider: Spider, serializer: Any) -> None:
         self.key = key
-        # Unknown until the first look: the spider must not close as idle meanwhile.
-        self.parked: int | None = None
+        self.parked = 0
         self._redis = redis
         self._spider = spider
         self._serializer = serializer  # scrapy-redis's SCHEDULER_SERIALIZER (pickle by default)
@@ -238,7 +238,7 @@ class ParkingScheduler:
 
     def has_pending_requests(self) -> bool:
         return (
-            bool(self._ready or self._parking_tasks or self._store.parked != 0)
+            bool(self._ready or self._parking_tasks or self._store.parked)
             or self._wake_up.is_set()  # a park that the parked count may not show yet
             or super().has_pending_requests()  # type: ignore[misc]
         )
@@ -361,17 +361,26 @@ class RedisThrottleScheduler(ParkingScheduler, ScrapyRedisScheduler):  # type: i
     ``SCHEDULER = "scrapy_redis_throttle.RedisThrottleScheduler"``
     """
 
+    _parking_server: SyncRedis | None = None
+
     def open(self, spider: Spider) -> None:
-        super().open(spider)
         crawler = spider.crawler
         try:
             config = ThrottleConfig.from_crawler(crawler)
         except NotConfigured:  # the throttle is off: nothing will be parked
+            super().open(spider)
             self._start_parking(crawler, MemoryParking())
             return
-        redis = connect(config, max_connections=PARKING_CONNECTIONS)
+        # Synchronous, like all of scrapy-redis's own calls at start and close: flush() needs it.
+        self._parking_server = SyncRedis.from_url(config.redis_url, **config.redis_params)
+        super().open(spider)
+        key = self._parked_key(spider)
         # The queue's serializer: SCHEDULER_SERIALIZER, or scrapy-redis's default (pickle).
-        store = RedisParking(redis, self._parked_key(spider), spider, self.queue.serializer)
+        store = RedisParking(
+            connect(config, max_connections=PARKING_CONNECTIONS), key, spider, self.queue.serializer
+        )
+        # Known from the start, so that the spider neither closes nor idles on a guess.
+        store.parked = int(self._parking_server.zcard(key))
         self._start_parking(crawler, store)
 
     def _parked_key(self, spider: Spider) -> str:
@@ -381,7 +390,8 @@ class RedisThrottleScheduler(ParkingScheduler, ScrapyRedisScheduler):  # type: i
         """Also empty the parking area (``SCHEDULER_FLUSH_ON_START``, and closes without
         ``SCHEDULER_PERSIST``)."""
         super().flush()
-        self.server.delete(self._parked_key(self.spider))
+        if self._parking_server is not None:
+            self._parking_server.delete(self._parked_key(self.spider))
 
     def close(self, reason: str) -> Deferred[None]:
         return deferred_from_coro(self._close(reason))
@@ -390,3 +400,5 @@ class RedisThrottleScheduler(ParkingScheduler, ScrapyRedisScheduler):  # type: i
         # Parking first: without SCHEDULER_PERSIST, scrapy-redis's close flushes the parked set.
         await self._stop_parking(keep=self.persist)
         super().close(reason)
+        if self._parking_server is not None:
+            self._parking_server.close()
