@@ -37,6 +37,8 @@ from .config import ThrottleConfig
 from .connection import connect
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from redis.asyncio import Redis
     from scrapy import Request, Spider
     from scrapy.crawler import Crawler
@@ -87,13 +89,15 @@ class ParkingStore(Protocol):
 
 
 class MemoryParking:
-    """Parked requests in this process, in a heap by due time."""
+    """Parked requests in this process, in a heap by due time. Those kept at the close go to
+    *keep_into* (e.g. the scheduler's own queues, which JOBDIR saves)."""
 
     poll_interval: float | None = None
 
-    def __init__(self) -> None:
+    def __init__(self, keep_into: Callable[[Request], object] | None = None) -> None:
         self._heap: list[tuple[float, int, Request]] = []
         self._order = itertools.count()
+        self._keep_into = keep_into
 
     @property
     def parked(self) -> int:
@@ -114,9 +118,13 @@ class MemoryParking:
         return due, (self._heap[0][0] - now if self._heap else None)
 
     async def close(self, keep: bool) -> int:
-        parked = len(self._heap)
+        parked = [request for _, _, request in sorted(self._heap)]
         self._heap.clear()
-        return parked
+        if keep and self._keep_into is not None:
+            for request in parked:
+                request.meta.pop(PARK_META, None)
+                self._keep_into(request)
+        return len(parked)
 
 
 class RedisParking:
@@ -323,7 +331,7 @@ class ParkingScheduler:
         if not parked:
             return
         if keep:
-            logger.info("Redis throttle: %d parked requests stay in Redis for the next run", parked)
+            logger.info("Redis throttle: %d parked requests are kept for the next run", parked)
         else:
             self._crawler.stats.set_value("redis_throttle/parked_not_crawled", parked)
             logger.warning(
@@ -334,22 +342,28 @@ class ParkingScheduler:
 
 
 class ThrottleScheduler(ParkingScheduler, Scheduler):
-    """Scrapy's scheduler, with parked requests kept in this process.
+    """Scrapy's scheduler, with parked requests kept in this process. With ``JOBDIR`` they are
+    saved with the rest of the queue when the spider closes.
 
     ``SCHEDULER = "scrapy_redis_throttle.ThrottleScheduler"``
     """
 
     def open(self, spider: Spider) -> Deferred[None] | None:
         result = super().open(spider)
-        self._start_parking(spider.crawler, MemoryParking())
+        self._start_parking(spider.crawler, MemoryParking(keep_into=self._keep_in_jobdir))
         return result
 
-    def close(self, reason: str) -> Deferred[None] | None:
-        parent = super().close(reason)
-        return deferred_from_coro(self._close(parent))
+    def _keep_in_jobdir(self, request: Request) -> None:
+        # Its URL is already in the dupefilter's requests.seen: let it through once more.
+        self.enqueue_request(request.replace(dont_filter=True))
 
-    async def _close(self, parent: Deferred[None] | None) -> None:
-        await self._stop_parking(keep=False)
+    def close(self, reason: str) -> Deferred[None] | None:
+        return deferred_from_coro(self._close(reason))
+
+    async def _close(self, reason: str) -> None:
+        # Parking first: the disk queues must still be open to keep the parked requests.
+        await self._stop_parking(keep=self.dqs is not None)
+        parent = super().close(reason)
         if parent is not None:
             await maybe_deferred_to_future(parent)
 

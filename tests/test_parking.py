@@ -6,6 +6,7 @@ import logging
 import pickle
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -91,7 +92,9 @@ async def test_redis_parked_requests_survive_the_close_for_the_next_run(
             site.url(SLOW, f"/page/{n}") for n in range(3)
         }
         assert all(PARK_META in r["meta"] for r in parked)
-        assert any("2 parked requests stay in Redis" in r.getMessage() for r in caplog.records)
+        assert any(
+            "2 parked requests are kept for the next run" in r.getMessage() for r in caplog.records
+        )
         # As if the next run started a minute later: they are due, their reservations passed.
         client.zadd("url_list:requests:parked", dict.fromkeys(members, 0))
         client.delete(f"redis_throttle:{{{SLOW}}}:bucket")
@@ -125,3 +128,22 @@ async def test_parked_requests_not_kept_are_counted_and_logged(
     if scheduler != "scrapy":
         with redis_server.client() as client:
             assert client.exists("url_list:requests:parked") == 0, "dropped from Redis"
+
+
+@async_test
+async def test_jobdir_keeps_parked_requests_for_the_next_run(
+    redis_server: RedisServer, site: DemoSite, tmp_path: Path
+) -> None:
+    settings = crawl_settings(redis_server.url, JOBDIR=str(tmp_path), **SCHEDULERS["scrapy"])
+    first = await run_crawl(
+        {**settings, "CLOSESPIDER_TIMEOUT": 2},
+        requests(site, SLOW, 3),
+        redis_throttle_rates={SLOW: "1/30s"},
+    )
+    assert len(site.arrivals(SLOW)) == 1
+    assert "redis_throttle/parked_not_crawled" not in first.stats.get_stats()
+    with redis_server.client() as client:  # as if the next run started a minute later
+        client.delete(f"redis_throttle:{{{SLOW}}}:bucket")
+
+    await run_crawl(settings, [], redis_throttle_rates={SLOW: "2/s"})
+    assert sorted(a.path for a in site.arrivals(SLOW)) == [f"/page/{n}" for n in range(3)]
