@@ -100,7 +100,12 @@ def reset_redis(redis_url: str, site: DemoSite) -> None:
 def start_workers(
     run: Run, count: int, redis_url: str, output: Path
 ) -> list[subprocess.Popen[bytes]]:
-    settings = {"REDIS_URL": redis_url, "LOG_LEVEL": "INFO", **run.settings}
+    settings = {
+        "REDIS_URL": redis_url,
+        "LOG_LEVEL": "INFO",
+        "REDIS_THROTTLE_FALLBACK_WORKERS": count,
+        **run.settings,
+    }
     workers = []
     for index in range(count):
         log = output / f"{run.name.replace(' ', '-')}-worker-{index + 1}.log"

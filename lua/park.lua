@@ -1,3 +1,6 @@
+#!lua
+-- The shebang (Redis 7) declares a script that may write: a read-only replica or a Redis out of
+-- memory refuses every call up front, not only the calls that happen to write.
 -- Park a request until a moment in Redis server time, in a sorted set shared by the fleet.
 --
 -- KEYS[1]  the spider's parking set (score: when the request is due, in microseconds since

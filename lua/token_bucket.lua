@@ -1,3 +1,6 @@
+#!lua
+-- The shebang (Redis 7) declares a script that may write: a read-only replica or a Redis out of
+-- memory refuses every call up front, not only the calls that happen to write.
 -- Token bucket for one domain, in its GCRA form: the whole state is one number, the domain's
 -- "theoretical arrival time" (TAT), i.e. when the bucket would be full again.
 --
@@ -7,6 +10,9 @@
 -- ARGV[3]  cost: tokens this request takes, > 0 and <= burst
 -- ARGV[4]  reserve (optional, default 0): microseconds; a request that could go within that time
 --          reserves its tokens now for the moment they are there
+-- ARGV[5]  busy_for (optional, default 0): microseconds; the bucket is not full before now plus
+--          this, whatever it holds: the caller took tokens from its local fallback while Redis
+--          was unavailable, and they count here too
 --
 -- Returns {status, tokens_left, retry_after_ms, reset_after_ms}.
 --   status          1: the request may go now (its tokens are taken);
@@ -17,34 +23,25 @@
 --   reset_after_ms  how long until the bucket is full again (the key's expiry)
 -- Numbers are returned as strings: Redis would truncate Lua numbers to integers.
 
-local function positive_finite(value)
+-- ARGV[index] (or default) as a number, else an error reply naming the argument: finite, and
+-- above minimum (or equal to it when inclusive).
+local function number_arg(index, name, minimum, inclusive, default)
+  local value = ARGV[index] or default
   local number = tonumber(value)
-  if number == nil or number ~= number or number <= 0 or number == math.huge then
-    return nil
+  if number == nil or number ~= number or number == math.huge or number < minimum
+      or (number == minimum and not inclusive) then
+    error(redis.error_reply(string.format(
+      "ERR redis_throttle: %s must be a finite number %s %g, got %s",
+      name, inclusive and ">=" or ">", minimum, tostring(value))))
   end
   return number
 end
 
-local interval = positive_finite(ARGV[1])
-if interval == nil then
-  return redis.error_reply("ERR redis_throttle: interval must be a positive finite number, got "
-    .. tostring(ARGV[1]))
-end
-local burst = positive_finite(ARGV[2])
-if burst == nil or burst < 1 then
-  return redis.error_reply("ERR redis_throttle: burst must be a finite number >= 1, got "
-    .. tostring(ARGV[2]))
-end
-local cost = positive_finite(ARGV[3])
-if cost == nil then
-  return redis.error_reply("ERR redis_throttle: cost must be a positive finite number, got "
-    .. tostring(ARGV[3]))
-end
-local reserve = tonumber(ARGV[4] or "0")
-if reserve == nil or reserve ~= reserve or reserve < 0 or reserve == math.huge then
-  return redis.error_reply("ERR redis_throttle: reserve must be a finite number >= 0, got "
-    .. tostring(ARGV[4]))
-end
+local interval = number_arg(1, "interval", 0, false)
+local burst = number_arg(2, "burst", 1, true)
+local cost = number_arg(3, "cost", 0, false)
+local reserve = number_arg(4, "reserve", 0, true, "0")
+local busy_for = number_arg(5, "busy_for", 0, true, "0")
 if cost > burst then
   -- Such a request could never go: refuse it instead of making it wait forever.
   return redis.error_reply("ERR redis_throttle: cost " .. ARGV[3] .. " exceeds burst " .. ARGV[2])
@@ -56,8 +53,8 @@ local time = redis.call("TIME")
 local now = (tonumber(time[1]) - 1704067200) * 1000000 + tonumber(time[2])
 
 local tat = tonumber(redis.call("GET", KEYS[1]))
-if tat == nil or tat < now then
-  tat = now
+if tat == nil or tat < now + busy_for then
+  tat = now + busy_for
 end
 
 local new_tat = tat + cost * interval

@@ -1,3 +1,6 @@
+#!lua
+-- The shebang (Redis 7) declares a script that may write: a read-only replica or a Redis out of
+-- memory refuses every call up front, not only the calls that happen to write.
 -- Take the requests that are due (or will be within `ahead`) out of the parking set: each one
 -- goes to exactly one caller, since the script runs atomically.
 --

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .config import Limit
+
 if TYPE_CHECKING:
     from redis.asyncio import Redis
-
-    from .config import Limit
 
 
 def load_script(name: str) -> str:
@@ -38,15 +40,48 @@ class AcquireResult:
     """Seconds until the bucket is full again."""
 
 
+# Host names and simple meta keys appear as they are in Redis keys (readable in redis-cli).
+_PLAIN_KEY = re.compile(r"[a-z0-9._:-]{1,200}")
+
+
+def key_tag(domain: str) -> str:
+    """The part of a Redis key that names *domain*.
+
+    Domains and meta keys come from crawled URLs and code, so they are untrusted: anything but a
+    plain name of at most 200 characters (lowercase letters, digits, ``.``, ``_``, ``:``, ``-``)
+    is replaced by ``#`` and its SHA-256. No two domains share a tag (``#`` is not in the plain
+    alphabet), the tag cannot end the hash tag early (no braces), and its length is bounded.
+    """
+    if _PLAIN_KEY.fullmatch(domain):
+        return domain
+    return "#" + hashlib.sha256(domain.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 def bucket_key(prefix: str, domain: str) -> str:
     """The domain's bucket key. The braces are a Redis Cluster hash tag, so all the keys of one
     domain land in one slot."""
-    return f"{prefix}:{{{domain}}}:bucket"
+    return _key(prefix, key_tag(domain))
 
 
-def script_args(limit: Limit, cost: float, reserve: float = 0) -> list[str | int]:
+def _key(prefix: str, tag: str) -> str:
+    return f"{prefix}:{{{tag}}}:bucket"
+
+
+def script_args(
+    limit: Limit, cost: float, reserve: float = 0, busy_for: float = 0
+) -> list[str | int]:
     """ARGV of ``token_bucket.lua``; ``repr`` keeps every digit of the floats."""
-    return [repr(limit.interval_us), limit.burst, repr(float(cost)), repr(reserve * 1e6)]
+    return [
+        repr(limit.interval_us),
+        limit.burst,
+        repr(float(cost)),
+        repr(reserve * 1e6),
+        repr(busy_for * 1e6),
+    ]
+
+
+# The probe's own bucket: "#" and something other than a SHA-256 is no domain's tag.
+_PROBE_KEY_TAG = "#probe"
 
 
 class TokenBucket:
@@ -58,13 +93,28 @@ class TokenBucket:
         self._script = redis.register_script(load_script("token_bucket.lua"))
 
     async def acquire(
-        self, domain: str, limit: Limit, cost: float = 1, reserve: float = 0
+        self, domain: str, limit: Limit, cost: float = 1, reserve: float = 0, busy_for: float = 0
     ) -> AcquireResult:
         """Take *cost* tokens from *domain*'s bucket if it has them, or reserve them if they will
-        be there within *reserve* seconds (atomically, in one call)."""
+        be there within *reserve* seconds (atomically, in one call). The bucket counts as empty
+        for at least *busy_for* seconds (tokens the caller took while Redis was unavailable)."""
         reply: list[Any] = await self._script(
-            keys=[bucket_key(self._key_prefix, domain)], args=script_args(limit, cost, reserve)
+            keys=[bucket_key(self._key_prefix, domain)],
+            args=script_args(limit, cost, reserve, busy_for),
         )
+        return self._result(reply)
+
+    async def probe(self) -> None:
+        """Run the script as an acquire would, on a bucket of its own that no domain uses and
+        that vanishes within a millisecond: it fails where an acquire would fail (Redis down,
+        read-only, out of memory, script lost and not reloadable, ...)."""
+        probe = Limit(rate=1e6, burst=1, text="probe")
+        await self._script(
+            keys=[_key(self._key_prefix, _PROBE_KEY_TAG)], args=script_args(probe, 1)
+        )
+
+    @staticmethod
+    def _result(reply: list[Any]) -> AcquireResult:
         status, tokens_left, retry_after_ms, reset_after_ms = reply
         return AcquireResult(
             allowed=int(status) == 1,

@@ -30,16 +30,28 @@ DEFAULT_KEY_PREFIX = "redis_throttle"
 DEFAULT_MAX_CONNECTIONS = 32
 DEFAULT_MAX_HOLD = 1.0
 DEFAULT_MAX_RESERVE = 300.0
-# Short timeouts: a stalled Redis must delay requests by seconds, not scrapy-redis's 30 s.
-DEFAULT_REDIS_PARAMS: Mapping[str, Any] = {"socket_timeout": 5, "socket_connect_timeout": 5}
+DEFAULT_PROBE_INTERVAL = 5.0
+DEFAULT_FALLBACK_WORKERS = 1
+# REDIS_THROTTLE_ON_REDIS_ERROR: what requests do while Redis fails (see resilience.py).
+FALLBACK_LOCAL = "local"
+FALLBACK_OPEN = "open"
+FALLBACK_WAIT = "wait"
+# Short timeouts: a stalled Redis must cost a request one second, not scrapy-redis's 30 s.
+# Only REDIS_THROTTLE_PARAMS may change them, not the REDIS_PARAMS made for scrapy-redis.
+DEFAULT_REDIS_PARAMS: Mapping[str, Any] = {"socket_timeout": 1.0, "socket_connect_timeout": 1.0}
 # Client parameters the throttle chooses itself, with the reason.
+_NO_REPLAY = "a replayed acquire could take its tokens twice; see REDIS_THROTTLE_ON_REDIS_ERROR"
 _SET_BY_THE_THROTTLE = {
     "max_connections": "use REDIS_THROTTLE_MAX_CONNECTIONS",
-    "retry": "it never replays a command; it waits for Redis itself",
+    "retry": _NO_REPLAY,
+    "retry_on_timeout": _NO_REPLAY,
+    "retry_on_error": _NO_REPLAY,
 }
 _PART_OF_THE_URL = frozenset({"url", "host", "port", "db", "path"})
 # What scrapy-redis's REDIS_PARAMS may hold for its own client, which the throttle does not use.
-_NOT_SHARED_WITH_SCRAPY_REDIS = frozenset({"redis_cls", *_SET_BY_THE_THROTTLE, *_PART_OF_THE_URL})
+_NOT_SHARED_WITH_SCRAPY_REDIS = frozenset(
+    {"redis_cls", *_SET_BY_THE_THROTTLE, *_PART_OF_THE_URL, *DEFAULT_REDIS_PARAMS}
+)
 
 _UNITS = {
     "s": 1.0, "sec": 1.0, "second": 1.0, "seconds": 1.0,
@@ -237,6 +249,12 @@ class ThrottleConfig:
     """Longest wait a request spends in the middleware when the scheduler can park it."""
     max_reserve: float
     """How far ahead a request may reserve its tokens."""
+    on_redis_error: str
+    """``"local"``, ``"open"`` or ``"wait"``: see :mod:`scrapy_redis_throttle.resilience`."""
+    fallback_workers: int
+    """The ``"local"`` policy paces each domain at its rate divided by this."""
+    probe_interval: float
+    """Longest time between two probes of a failed Redis."""
 
     @classmethod
     def from_crawler(cls, crawler: Crawler) -> ThrottleConfig:
@@ -282,7 +300,24 @@ class ThrottleConfig:
             what="the value",
         )
 
+        on_redis_error = _get(settings, "REDIS_THROTTLE_ON_REDIS_ERROR", FALLBACK_LOCAL)
+        policies = (FALLBACK_LOCAL, FALLBACK_OPEN, FALLBACK_WAIT)
+        if on_redis_error not in policies:
+            raise ThrottleConfigError(
+                f"REDIS_THROTTLE_ON_REDIS_ERROR must be one of {', '.join(map(repr, policies))}, "
+                f"got {on_redis_error!r}"
+            )
+
         return cls(
+            on_redis_error=on_redis_error,
+            fallback_workers=parse_positive_int(
+                _get(settings, "REDIS_THROTTLE_FALLBACK_WORKERS", DEFAULT_FALLBACK_WORKERS),
+                source="REDIS_THROTTLE_FALLBACK_WORKERS",
+                what="the number of workers",
+            ),
+            probe_interval=_seconds(
+                settings, "REDIS_THROTTLE_PROBE_INTERVAL", DEFAULT_PROBE_INTERVAL, minimum=0.1
+            ),
             max_hold=_seconds(settings, "REDIS_THROTTLE_MAX_HOLD", DEFAULT_MAX_HOLD, minimum=0),
             max_reserve=_seconds(
                 settings, "REDIS_THROTTLE_MAX_RESERVE", DEFAULT_MAX_RESERVE, minimum=1
@@ -321,15 +356,16 @@ def _getdict(settings: BaseSettings, name: str) -> Mapping[Any, Any]:
         raise ThrottleConfigError(f"{name} must be a dict, got {settings.get(name)!r}") from exc
 
 
-def _redis_url(settings: BaseSettings) -> str:
-    """The Redis scrapy-redis uses: REDIS_THROTTLE_URL, else REDIS_URL, else REDIS_PARAMS' url,
-    else REDIS_HOST/PORT/DB (or REDIS_PARAMS' host/port/db), as scrapy-redis reads them."""
+def _redis_url(settings: BaseSettings, own_setting: str | None = "REDIS_THROTTLE_URL") -> str:
+    """The Redis scrapy-redis uses: *own_setting*, else REDIS_URL, else REDIS_PARAMS' url, else
+    REDIS_HOST/PORT/DB (or REDIS_PARAMS' host/port/db), as scrapy-redis reads them."""
     shared_params = _getdict(settings, "REDIS_PARAMS")
     candidates = [
-        ("REDIS_THROTTLE_URL", settings.get("REDIS_THROTTLE_URL")),
         ("REDIS_URL", settings.get("REDIS_URL")),
         ("REDIS_PARAMS['url']", shared_params.get("url")),
     ]
+    if own_setting:
+        candidates.insert(0, (own_setting, settings.get(own_setting)))
     for name, url in candidates:
         if url:
             if not isinstance(url, str) or urlsplit(url).scheme not in ("redis", "rediss", "unix"):
@@ -341,6 +377,19 @@ def _redis_url(settings: BaseSettings) -> str:
     port = settings.get("REDIS_PORT") or shared_params.get("port") or 6379
     db = settings.get("REDIS_DB") or shared_params.get("db") or 0
     return f"redis://{host}:{port}/{db}"
+
+
+def queue_redis_connection(settings: BaseSettings) -> tuple[str, dict[str, Any]]:
+    """URL and asyncio client parameters of scrapy-redis's own Redis (its queue), read as
+    ``scrapy_redis.connection.get_redis_from_settings`` reads them: the parking area of
+    :class:`~scrapy_redis_throttle.RedisThrottleScheduler` lives there, with the queue."""
+    from scrapy_redis import defaults
+
+    params = {**defaults.REDIS_PARAMS, **_getdict(settings, "REDIS_PARAMS")}
+    allowed = _connection_parameters() - {"encoding", "decode_responses"}  # members are bytes
+    return _redis_url(settings, own_setting=None), {
+        key: value for key, value in params.items() if key in allowed
+    }
 
 
 @functools.cache
@@ -355,8 +404,11 @@ def _connection_parameters() -> frozenset[str]:
 
 
 def _redis_params(settings: BaseSettings) -> dict[str, Any]:
-    """Client parameters: our defaults < scrapy-redis's REDIS_PARAMS < REDIS_THROTTLE_PARAMS."""
-    params = dict(DEFAULT_REDIS_PARAMS)
+    """Client parameters: our defaults < scrapy-redis's REDIS_PARAMS < REDIS_THROTTLE_PARAMS.
+
+    From REDIS_PARAMS, what only scrapy-redis's client should use (its 30 s timeouts among them)
+    is left out."""
+    params: dict[str, Any] = dict(DEFAULT_REDIS_PARAMS)
     allowed = _connection_parameters()
     for name in ("REDIS_PARAMS", "REDIS_THROTTLE_PARAMS"):
         own = name == "REDIS_THROTTLE_PARAMS"
@@ -365,9 +417,11 @@ def _redis_params(settings: BaseSettings) -> dict[str, Any]:
                 raise ThrottleConfigError(
                     f"{name}: {key!r} is set by the throttle itself ({_SET_BY_THE_THROTTLE[key]})"
                 )
+            if not own and key in _NOT_SHARED_WITH_SCRAPY_REDIS:
+                continue
             if key in allowed:
                 params[key] = value
-            elif own or key not in _NOT_SHARED_WITH_SCRAPY_REDIS:
+            else:
                 raise ThrottleConfigError(
                     f"{name}: unknown redis-py connection parameter {key!r}"
                     + (" (host, port and db go in the URL)" if key in _PART_OF_THE_URL else "")

@@ -10,6 +10,9 @@ Settings (see README.md for the full reference):
 * ``REDIS_THROTTLE_MAX_HOLD``, ``REDIS_THROTTLE_MAX_RESERVE`` - how long a request may wait here
   (longer waits are parked when ``SCHEDULER`` is one of :mod:`scrapy_redis_throttle.scheduler`'s)
   and how far ahead it may reserve its tokens
+* ``REDIS_THROTTLE_ON_REDIS_ERROR``, ``REDIS_THROTTLE_FALLBACK_WORKERS``,
+  ``REDIS_THROTTLE_PROBE_INTERVAL`` - what happens while Redis fails (see
+  :mod:`scrapy_redis_throttle.resilience`)
 * ``REDIS_THROTTLE_KEY_PREFIX``, ``REDIS_THROTTLE_MAX_CONNECTIONS``
 
 Request meta keys: ``dont_redis_throttle``, ``redis_throttle_key``, ``redis_throttle_cost``.
@@ -21,38 +24,30 @@ import asyncio
 import logging
 import math
 import random
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from scrapy import signals
 from scrapy.utils.asyncio import is_asyncio_available
 from scrapy.utils.misc import load_object
 
-from .bucket import AcquireResult, TokenBucket
 from .config import InvalidThrottleMeta, ThrottleConfig, ThrottleConfigError, redact_url
 from .connection import connect
-from .scheduler import PARK_META, RELEASE_META, ParkingScheduler
+from .resilience import STATS_PREFIX, ResilientBucket, sleep
+from .scheduler import PARK_META, RELEASE_AHEAD, RELEASE_META, ParkingScheduler
 
 if TYPE_CHECKING:
     from scrapy import Request, Spider
     from scrapy.crawler import Crawler
     from typing_extensions import Self
 
+    from .bucket import AcquireResult
     from .config import Limit
 
 logger = logging.getLogger(__name__)
 
-STATS_PREFIX = "redis_throttle"
-# Backoff between attempts while Redis is unreachable.
-REDIS_RETRY_FIRST_DELAY = 0.1
-REDIS_RETRY_MAX_DELAY = 5.0
 # A parked request given back later than this after its reserved moment asks for a new one:
 # going that late would squeeze it against the next request's moment.
 LATE_RELEASE = 0.05
-# Braces would break the Redis Cluster hash tag of the bucket key.
-_HASH_TAG_BRACES = frozenset("{}")
 
 
 class RedisThrottleMiddleware:
@@ -67,8 +62,7 @@ class RedisThrottleMiddleware:
         self.crawler = crawler
         self.stats = crawler.stats
         self.redis = connect(self.config, self.config.max_connections)
-        self.bucket = TokenBucket(self.redis, self.config.key_prefix)
-        self._redis_down = False
+        self.budget = ResilientBucket(self.redis, self.config, crawler.stats, self._log_extra)
         self.parking = issubclass(load_object(crawler.settings["SCHEDULER"]), ParkingScheduler)
         crawler.signals.connect(self._spider_opened, signal=signals.spider_opened)
         crawler.signals.connect(self._spider_closed, signal=signals.spider_closed)
@@ -79,23 +73,25 @@ class RedisThrottleMiddleware:
 
     async def _spider_opened(self, spider: Spider) -> None:
         logger.info(
-            "Redis throttle: shared limits in %s (key prefix %r), %s:\n  %s",
+            "Redis throttle: shared limits in %s (key prefix %r), %s; if Redis fails, %s:\n  %s",
             redact_url(self.config.redis_url),
             self.config.key_prefix,
             f"requests that must wait over {self.config.max_hold:g} s are parked in the scheduler"
             if self.parking
             else "waiting requests are held in the downloader (set SCHEDULER to "
             "scrapy_redis_throttle.ThrottleScheduler or RedisThrottleScheduler to park them)",
+            self.budget.describe_policy(),
             "\n  ".join(self.config.limits.describe()),
             extra={"spider": spider},
         )
-        try:
-            await self.redis.ping()
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            self._redis_unreachable(exc)
+        await self.budget.check()
 
     async def _spider_closed(self, spider: Spider) -> None:
+        await self.budget.close()
         await self.redis.aclose(close_connection_pool=True)
+
+    def _log_extra(self) -> dict[str, Any]:
+        return {"spider": self.crawler.spider}
 
     async def process_request(self, request: Request) -> Request | None:
         stats = self.stats
@@ -115,31 +111,38 @@ class RedisThrottleMiddleware:
         if release is not None and release["reserved"]:
             # Back from the parking area: its tokens are reserved for go_at.
             if release["go_at"] - started >= -LATE_RELEASE:
-                await asyncio.sleep(release["go_at"] - started)
+                await sleep(release["go_at"] - started)
                 self._went(started, delayed=True)
                 return None
             stats.inc_value(f"{STATS_PREFIX}/released_late")  # its moment passed: ask again
         delayed = release is not None
         while True:
-            result, redis_retried = await self._acquire_waiting_for_redis(key, limit, cost)
-            delayed = delayed or redis_retried
+            grant = await self.budget.acquire(key, limit, cost)
+            result = grant.result
+            delayed = delayed or grant.waited_for_redis
             if result.allowed:
                 self._went(started, delayed)
                 return None
             if self.parking and result.retry_after > self.config.max_hold:
                 return self._park(request, key, limit, result)
             logger.debug(
-                "Redis throttle: %(request)s waits %(delay).3f s for %(key)s (%(limit)s)",
-                {"request": request, "delay": result.retry_after, "key": key, "limit": limit},
-                extra={"spider": self.crawler.spider},
+                "Redis throttle: %(request)s waits %(delay).3f s for %(key)r (%(limit)s)%(how)s",
+                {
+                    "request": request,
+                    "delay": result.retry_after,
+                    "key": key,
+                    "limit": limit,
+                    "how": "" if grant.shared else ", paced locally while Redis fails",
+                },
+                extra=self._log_extra(),
             )
             delayed = True
             if result.reserved:
-                await asyncio.sleep(result.retry_after)
+                await sleep(result.retry_after)
                 self._went(started, delayed)
                 return None
             # Too far ahead to reserve: come back when it is not.
-            await asyncio.sleep(result.retry_after - self.config.max_reserve / 2)
+            await sleep(result.retry_after - self.config.max_reserve / 2)
 
     def _went(self, started: float, delayed: bool) -> None:
         """Count a request that leaves for the download."""
@@ -160,13 +163,18 @@ class RedisThrottleMiddleware:
         if result.reserved:
             delay = result.retry_after
         else:
-            # Due when its tokens can be reserved; spread out, so that the requests parked
-            # together do not all come back at once.
-            delay = result.retry_after - self.config.max_reserve * random.uniform(0.5, 1)
+            # Due when its tokens can be reserved, counting that the scheduler gives it back
+            # RELEASE_AHEAD early (or it would come back too early, again and again); spread
+            # out, so that the requests parked together do not all come back at once.
+            delay = (
+                result.retry_after
+                + RELEASE_AHEAD
+                - self.config.max_reserve * random.uniform(0.5, 1)
+            )
         logger.debug(
-            "Redis throttle: %(request)s parked for %(delay).3f s for %(key)s (%(limit)s)",
+            "Redis throttle: %(request)s parked for %(delay).3f s for %(key)r (%(limit)s)",
             {"request": request, "delay": delay, "key": key, "limit": limit},
-            extra={"spider": self.crawler.spider},
+            extra=self._log_extra(),
         )
         self.stats.inc_value(f"{STATS_PREFIX}/park_requests")
         return request.replace(
@@ -177,11 +185,9 @@ class RedisThrottleMiddleware:
         key = request.meta.get("redis_throttle_key")
         if key is None:
             return self.crawler.engine.downloader.get_slot_key(request).lower()
-        if isinstance(key, str) and key and not _HASH_TAG_BRACES & set(key):
+        if isinstance(key, str) and key:
             return key.lower()
-        self._bad_meta(
-            request, f"redis_throttle_key must be a non-empty string without braces, got {key!r}"
-        )
+        self._bad_meta(request, f"redis_throttle_key must be a non-empty string, got {key!r}")
 
     def _cost(self, request: Request, limit: Limit) -> float:
         cost = request.meta.get("redis_throttle_cost", 1)
@@ -203,49 +209,3 @@ class RedisThrottleMiddleware:
     def _bad_meta(self, request: Request, message: str) -> NoReturn:
         self.stats.inc_value(f"{STATS_PREFIX}/invalid_meta")
         raise InvalidThrottleMeta(f"{message} ({request})")
-
-    async def _acquire_waiting_for_redis(
-        self, key: str, limit: Limit, cost: float
-    ) -> tuple[AcquireResult, bool]:
-        """Take or reserve the tokens; while Redis is unreachable, wait for it (nothing goes out
-        unthrottled). Also return whether Redis had to be waited for."""
-        redis_retry_delay = REDIS_RETRY_FIRST_DELAY
-        redis_retried = False
-        while True:
-            try:
-                return await self._acquire(key, limit, cost), redis_retried
-            except (RedisConnectionError, RedisTimeoutError):
-                redis_retried = True
-                await asyncio.sleep(redis_retry_delay)
-                redis_retry_delay = min(redis_retry_delay * 2, REDIS_RETRY_MAX_DELAY)
-
-    async def _acquire(self, key: str, limit: Limit, cost: float) -> AcquireResult:
-        """One call of the script, counted in stats; logs when Redis goes away and comes back."""
-        self.stats.inc_value(f"{STATS_PREFIX}/redis_calls")
-        try:
-            result = await self.bucket.acquire(key, limit, cost, reserve=self.config.max_reserve)
-        except RedisError as exc:
-            self.stats.inc_value(f"{STATS_PREFIX}/redis_errors/{type(exc).__name__}")
-            if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
-                self._redis_unreachable(exc)
-            raise
-        if self._redis_down:
-            self._redis_down = False
-            logger.info(
-                "Redis throttle: Redis at %s is reachable again",
-                redact_url(self.config.redis_url),
-                extra={"spider": self.crawler.spider},
-            )
-        return result
-
-    def _redis_unreachable(self, exc: RedisError) -> None:
-        if self._redis_down:
-            return
-        self._redis_down = True
-        logger.warning(
-            "Redis throttle: Redis at %s is unreachable (%r); throttled requests wait until "
-            "it is back",
-            redact_url(self.config.redis_url),
-            exc,
-            extra={"spider": self.crawler.spider},
-        )

@@ -8,8 +8,9 @@ shortly before that moment.
 
 * :class:`ThrottleScheduler`: Scrapy's own scheduler; parked requests wait in this process.
 * :class:`RedisThrottleScheduler`: scrapy-redis's scheduler; parked requests wait in a sorted set
-  in Redis scored by when they are due, shared by the fleet: whichever worker is free takes each
-  (exactly one, atomically), and a parked request outlives the worker that parked it.
+  in scrapy-redis's Redis (beside its queue) scored by when they are due, shared by the fleet:
+  whichever worker is free takes each (exactly one, atomically), and a parked request outlives
+  the worker that parked it.
 """
 
 from __future__ import annotations
@@ -23,18 +24,16 @@ from collections import deque
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any, Protocol
 
-from redis import Redis as SyncRedis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from scrapy.core.scheduler import Scheduler
-from scrapy.exceptions import NotConfigured
 from scrapy.utils.defer import deferred_from_coro, maybe_deferred_to_future
 from scrapy.utils.request import request_from_dict
 from scrapy_redis.scheduler import Scheduler as ScrapyRedisScheduler
 
 from .bucket import load_script
-from .config import ThrottleConfig
-from .connection import connect
+from .config import queue_redis_connection
+from .connection import connect_url
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -375,26 +374,22 @@ class RedisThrottleScheduler(ParkingScheduler, ScrapyRedisScheduler):  # type: i
     ``SCHEDULER = "scrapy_redis_throttle.RedisThrottleScheduler"``
     """
 
-    _parking_server: SyncRedis | None = None
-
     def open(self, spider: Spider) -> None:
-        crawler = spider.crawler
-        try:
-            config = ThrottleConfig.from_crawler(crawler)
-        except NotConfigured:  # the throttle is off: nothing will be parked
-            super().open(spider)
-            self._start_parking(crawler, MemoryParking())
-            return
-        # Synchronous, like all of scrapy-redis's own calls at start and close: flush() needs it.
-        self._parking_server = SyncRedis.from_url(config.redis_url, **config.redis_params)
         super().open(spider)
+        crawler = spider.crawler
+        if not crawler.settings.getbool("REDIS_THROTTLE_ENABLED", True):
+            self._start_parking(crawler, MemoryParking())  # nothing will be parked
+            return
+        # In scrapy-redis's Redis, with the queue (not in the throttle's, which may be another):
+        # parked requests are part of the queue and share its fate.
+        url, params = queue_redis_connection(crawler.settings)
         key = self._parked_key(spider)
         # The queue's serializer: SCHEDULER_SERIALIZER, or scrapy-redis's default (pickle).
-        store = RedisParking(
-            connect(config, max_connections=PARKING_CONNECTIONS), key, spider, self.queue.serializer
-        )
-        # Known from the start, so that the spider neither closes nor idles on a guess.
-        store.parked = int(self._parking_server.zcard(key))
+        store = RedisParking(connect_url(url, params, PARKING_CONNECTIONS), key, spider,
+                             self.queue.serializer)  # fmt: skip
+        # Known from the start, so that the spider neither closes nor idles on a guess (read
+        # synchronously, as scrapy-redis itself reads its queue's length at start).
+        store.parked = int(self.server.zcard(key))
         self._start_parking(crawler, store)
 
     def _parked_key(self, spider: Spider) -> str:
@@ -404,8 +399,7 @@ class RedisThrottleScheduler(ParkingScheduler, ScrapyRedisScheduler):  # type: i
         """Also empty the parking area (``SCHEDULER_FLUSH_ON_START``, and closes without
         ``SCHEDULER_PERSIST``)."""
         super().flush()
-        if self._parking_server is not None:
-            self._parking_server.delete(self._parked_key(self.spider))
+        self.server.delete(self._parked_key(self.spider))
 
     def close(self, reason: str) -> Deferred[None]:
         return deferred_from_coro(self._close(reason))
@@ -414,5 +408,3 @@ class RedisThrottleScheduler(ParkingScheduler, ScrapyRedisScheduler):  # type: i
         # Parking first: without SCHEDULER_PERSIST, scrapy-redis's close flushes the parked set.
         await self._stop_parking(keep=self.persist)
         super().close(reason)
-        if self._parking_server is not None:
-            self._parking_server.close()

@@ -12,6 +12,19 @@ if TYPE_CHECKING:
     from twisted.python.failure import Failure
 
 
+# Settings of the crawls in tests and benchmarks.
+BASE_SETTINGS: dict[str, Any] = {
+    "DOWNLOADER_MIDDLEWARES": {"scrapy_redis_throttle.RedisThrottleMiddleware": 950},
+    "CONCURRENT_REQUESTS": 64,
+    "CONCURRENT_REQUESTS_PER_DOMAIN": 64,
+    "DOWNLOAD_DELAY": 0,
+    "ROBOTSTXT_OBEY": False,
+    "TELNETCONSOLE_ENABLED": False,
+    "LOG_LEVEL": "DEBUG",
+    "CLOSESPIDER_TIMEOUT": 60,  # a guard: a stuck crawl ends and its assertions fail
+}
+
+
 class UrlListSpider(Spider):
     """Requests the given URLs once each (``requests``: dicts with ``url`` and optional ``meta``)
     and counts what came back."""
@@ -19,6 +32,10 @@ class UrlListSpider(Spider):
     name = "url_list"
     requests: list[dict[str, Any]]
     barrier: dict[str, Any] | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.failure_messages: list[str] = []
 
     async def start(self) -> AsyncIterator[Request]:
         if self.barrier:
@@ -42,3 +59,4 @@ class UrlListSpider(Spider):
 
     def failed(self, failure: Failure) -> None:
         self.crawler.stats.inc_value(f"test/failures/{failure.type.__name__}")  # type: ignore[union-attr]
+        self.failure_messages.append(str(failure.value))

@@ -11,7 +11,7 @@ import pytest
 import pytest_twisted
 from scrapy.crawler import CrawlerRunner
 from scrapy.utils.defer import deferred_from_coro, maybe_deferred_to_future
-from spiders import UrlListSpider
+from spiders import BASE_SETTINGS, UrlListSpider
 from twisted.internet.defer import Deferred
 
 if TYPE_CHECKING:
@@ -69,18 +69,6 @@ def achieved_rate(times: list[float], burst: int) -> float:
     """Requests per second after the initial burst, over the busy period."""
     times = sorted(times)
     return (len(times) - burst) / (times[-1] - times[0])
-
-
-BASE_SETTINGS: dict[str, Any] = {
-    "DOWNLOADER_MIDDLEWARES": {"scrapy_redis_throttle.RedisThrottleMiddleware": 950},
-    "CONCURRENT_REQUESTS": 64,
-    "CONCURRENT_REQUESTS_PER_DOMAIN": 64,
-    "DOWNLOAD_DELAY": 0,
-    "ROBOTSTXT_OBEY": False,
-    "TELNETCONSOLE_ENABLED": False,
-    "LOG_LEVEL": "DEBUG",
-    "CLOSESPIDER_TIMEOUT": 60,  # a guard: a stuck crawl ends and its assertions fail
-}
 
 
 def crawl_settings(redis_url: str, **overrides: Any) -> dict[str, Any]:

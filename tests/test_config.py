@@ -14,6 +14,7 @@ from scrapy_redis_throttle.config import (
     ThrottleConfig,
     ThrottleConfigError,
     parse_rate,
+    queue_redis_connection,
     redact_url,
 )
 
@@ -73,6 +74,23 @@ def test_defaults() -> None:
     assert cfg.redis_params == DEFAULT_REDIS_PARAMS
     assert cfg.key_prefix == "redis_throttle"
     assert cfg.max_connections == 32
+    assert (cfg.on_redis_error, cfg.fallback_workers, cfg.probe_interval) == ("local", 1, 5.0)
+
+
+def test_parking_uses_scrapy_redis_own_connection() -> None:
+    """RedisThrottleScheduler parks beside scrapy-redis's queue, with scrapy-redis's settings,
+    even when the throttle's buckets live in another Redis."""
+    settings = Settings(
+        {
+            "REDIS_URL": "redis://queue:6379/2",
+            "REDIS_THROTTLE_URL": "redis://throttle:6379/0",
+            "REDIS_PARAMS": {"password": "p", "redis_cls": "redis.Redis", "socket_timeout": 9},
+        }
+    )
+    url, params = queue_redis_connection(settings)
+    assert url == "redis://queue:6379/2"
+    # scrapy-redis's own defaults; nothing of it that would replay a command or decode bytes.
+    assert params == {"password": "p", "socket_timeout": 9, "socket_connect_timeout": 30}
 
 
 def test_disabled() -> None:
@@ -167,6 +185,13 @@ def test_describe_lists_effective_limits() -> None:
         ({"REDIS_THROTTLE_URL": "http://localhost"}, "REDIS_THROTTLE_URL must be a redis://, rediss:// or unix:// URL, got 'http://localhost'"),
         ({"REDIS_URL": "localhost:6379"}, "REDIS_URL must be a redis://"),
         ({"REDIS_THROTTLE_PARAMS": "[1]"}, "REDIS_THROTTLE_PARAMS must be a dict"),
+        ({"REDIS_THROTTLE_PARAMS": {"retry_on_timeout": True}}, "'retry_on_timeout' is set by the throttle itself \\(a replayed acquire could take its tokens twice"),
+        ({"REDIS_THROTTLE_ON_REDIS_ERROR": "fail"}, "REDIS_THROTTLE_ON_REDIS_ERROR must be one of 'local', 'open', 'wait', got 'fail'"),
+        ({"REDIS_THROTTLE_FALLBACK_WORKERS": 0}, "REDIS_THROTTLE_FALLBACK_WORKERS: the number of workers must be an integer >= 1, got 0"),
+        ({"REDIS_THROTTLE_FALLBACK_WORKERS": "many"}, "REDIS_THROTTLE_FALLBACK_WORKERS: the number of workers must be an integer >= 1, got 'many'"),
+        ({"REDIS_THROTTLE_PROBE_INTERVAL": 0}, "REDIS_THROTTLE_PROBE_INTERVAL must be a number of seconds >= 0.1, got 0"),
+        ({"REDIS_THROTTLE_MAX_HOLD": float("nan")}, "REDIS_THROTTLE_MAX_HOLD must be a number of seconds >= 0, got nan"),
+        ({"REDIS_THROTTLE_MAX_RESERVE": "soon"}, "REDIS_THROTTLE_MAX_RESERVE must be a number of seconds >= 1, got 'soon'"),
     ],
 )  # fmt: skip
 def test_invalid_settings_name_the_setting_and_value(kwargs: dict[str, Any], message: str) -> None:
@@ -193,7 +218,8 @@ def test_redis_connection_follows_scrapy_redis_settings() -> None:
         REDIS_PARAMS={"socket_timeout": 30, "redis_cls": "redis.StrictRedis", "password": "p"},
     )
     assert cfg.redis_url == "redis://shared:6379/2"
-    assert cfg.redis_params == {"socket_timeout": 30, "socket_connect_timeout": 5, "password": "p"}
+    # scrapy-redis's 30 s timeouts would let a stalled Redis freeze every request for 30 s.
+    assert cfg.redis_params == {**DEFAULT_REDIS_PARAMS, "password": "p"}
 
     cfg = config(
         REDIS_URL="redis://shared:6379/2",

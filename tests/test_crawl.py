@@ -147,23 +147,39 @@ async def test_download_slot_meta_is_the_default_key(
 async def test_invalid_meta_fails_only_that_request(
     redis_server: RedisServer, site: DemoSite
 ) -> None:
-    requests = (
-        pages(site, A, 1, redis_throttle_cost=-1)
-        + pages(site, A, 1, first=1, redis_throttle_cost=5)  # more than the burst of 2
-        + pages(site, A, 1, first=2, redis_throttle_key="")
-        + pages(site, A, 1, first=6, redis_throttle_key="a}{b")
-        + pages(site, A, 3, first=3)
-    )
+    bad_meta = [
+        {"redis_throttle_cost": -1},
+        {"redis_throttle_cost": 5},  # more than the burst of 2
+        {"redis_throttle_cost": "1"},
+        {"redis_throttle_cost": float("nan")},
+        {"redis_throttle_key": ""},
+        {"redis_throttle_key": 5},
+    ]
+    requests = [
+        {"url": site.url(A, f"/page/{n}"), "meta": meta} for n, meta in enumerate(bad_meta, 10)
+    ]
     crawler = await run_crawl(
         crawl_settings(redis_server.url),
-        requests,
+        requests + pages(site, A, 3),
         redis_throttle_rates={A: {"rate": "50/s", "burst": 2}},
     )
     stats = crawler.stats.get_stats()
-    assert stats["redis_throttle/invalid_meta"] == 4
-    assert stats["test/failures/InvalidThrottleMeta"] == 4
+    assert stats["redis_throttle/invalid_meta"] == 6
+    assert stats["test/failures/InvalidThrottleMeta"] == 6
     assert stats["test/responses"] == 3
-    assert sorted(a.path for a in site.arrivals(A)) == ["/page/3", "/page/4", "/page/5"]
+    assert sorted(a.path for a in site.arrivals(A)) == ["/page/0", "/page/1", "/page/2"]
+    url = site.url(A, "/page/")
+    assert sorted(crawler.spider.failure_messages) == sorted(  # type: ignore[union-attr]
+        [
+            f"redis_throttle_cost must be a positive number, got -1 (<GET {url}10>)",
+            f"redis_throttle_cost 5 exceeds the burst of 50/s (burst 2) for this domain, so the "
+            f"request could never go (<GET {url}11>)",
+            f"redis_throttle_cost must be a positive number, got '1' (<GET {url}12>)",
+            f"redis_throttle_cost must be a positive number, got nan (<GET {url}13>)",
+            f"redis_throttle_key must be a non-empty string, got '' (<GET {url}14>)",
+            f"redis_throttle_key must be a non-empty string, got 5 (<GET {url}15>)",
+        ]
+    )
 
 
 def test_two_crawler_processes_share_one_budget(redis_server: RedisServer, site: DemoSite) -> None:
@@ -209,14 +225,21 @@ def test_two_crawler_processes_share_one_budget(redis_server: RedisServer, site:
 
 @pytest.mark.parametrize("down_at_start", [False, True], ids=["down-mid-crawl", "down-at-start"])
 @async_test
-async def test_requests_wait_for_redis_to_come_back(
+async def test_wait_policy_holds_requests_until_redis_is_back(
     own_redis: RedisServer, site: DemoSite, caplog: pytest.LogCaptureFixture, down_at_start: bool
 ) -> None:
     caplog.set_level(logging.INFO, logger="scrapy_redis_throttle")
     if down_at_start:
         own_redis.stop()
     # Requests reserve their tokens at most 1 s ahead: the later ones need Redis while it is down.
-    runner = CrawlerRunner(crawl_settings(own_redis.url, REDIS_THROTTLE_MAX_RESERVE=1))
+    runner = CrawlerRunner(
+        crawl_settings(
+            own_redis.url,
+            REDIS_THROTTLE_MAX_RESERVE=1,
+            REDIS_THROTTLE_ON_REDIS_ERROR="wait",
+            REDIS_THROTTLE_PROBE_INTERVAL=0.5,
+        )
+    )
     crawler = runner.create_crawler(UrlListSpider)
     crawl = runner.crawl(crawler, requests=pages(site, A, 30), redis_throttle_rates={A: "10/s"})
     stats = crawler.stats
@@ -229,7 +252,7 @@ async def test_requests_wait_for_redis_to_come_back(
         own_redis.stop()
     stopped = time.monotonic()
     await _wait_async(
-        lambda: errors() >= 4 and time.monotonic() > stopped + 2,
+        lambda: errors() >= 2 and time.monotonic() > stopped + 2,
         "requests to notice that Redis is gone, for 2 s",
     )
     restarted = time.monotonic()
@@ -248,8 +271,10 @@ async def test_requests_wait_for_redis_to_come_back(
     messages = [
         r.getMessage() for r in caplog.records if r.name.startswith("scrapy_redis_throttle")
     ]
-    assert sum("is unreachable" in m for m in messages) == 1, messages
-    assert sum("is reachable again" in m for m in messages) == 1, messages
+    assert sum("is unavailable" in m and "wait until it is back" in m for m in messages) == 1
+    assert sum("is back after" in m for m in messages) == 1, messages
+    assert stats.get_value("redis_throttle/outages") == 1
+    assert stats.get_value("redis_throttle/fallback_time") >= 2
 
 
 @async_test
@@ -293,10 +318,11 @@ async def test_start_up_log_and_delay_debug_lines(
     assert f"{A}: 20/s (burst 1)" in start
     assert "*.cdn.example: 1/m (burst 5)" in start
     assert "other domains: 1/s (burst 1)" in start
+    assert "if Redis fails, each domain is paced in this process at 1/1 of its rate" in start
     delays = [m for m in messages if " waits " in m]
     assert len(delays) == 1
     assert "/page/1> waits 0.0" in delays[0] or "/page/0> waits 0.0" in delays[0]
-    assert f"for {A} (20/s (burst 1))" in delays[0]
+    assert f"for '{A}' (20/s (burst 1))" in delays[0]
 
 
 @async_test

@@ -154,6 +154,85 @@ def test_invalid_reservation_horizon(bucket: Bucket, ahead: str) -> None:
         bucket.call_raw("1000", "1", "1", ahead)
 
 
+def test_busy_for_counts_tokens_taken_elsewhere(bucket: Bucket) -> None:
+    """A worker back from its local fallback says how long its local tokens keep the domain
+    busy: the shared bucket is empty until then, even if Redis lost or never had the key."""
+    limit = Limit(10, 1, "test")
+    started = time.monotonic()
+    status, _, retry_ms, _ = bucket.script(keys=[KEY], args=script_args(limit, 1, 2.0, 0.5))
+    elapsed = time.monotonic() - started
+    assert int(status) == 2
+    assert 500 - 1000 * elapsed <= float(retry_ms) <= 500
+    # Never earlier than what the bucket already holds.
+    status, _, retry_ms, _ = bucket.script(keys=[KEY], args=script_args(limit, 1, 2.0, 0.1))
+    assert int(status) == 2
+    assert 600 - 1000 * (time.monotonic() - started) <= float(retry_ms) <= 600
+    with pytest.raises(redis.ResponseError, match="busy_for must be a finite number >= 0"):
+        bucket.call_raw("1000", "1", "1", "0", "-1")
+
+
+@pytest.mark.parametrize(
+    ("domain", "plain"),
+    [
+        ("shop.example", True),
+        ("xn--bcher-kva.example", True),
+        ("api-quota:user_7", True),
+        ("a" * 200, True),
+        ("a}b", False),
+        ("{shop.example}", False),
+        ("shop.example}:bucket", False),
+        ("]]..redis.call('FLUSHALL')..[[", False),
+        ("a" * 201, False),
+        ("line\nbreak", False),
+        ("ünïcode", False),
+        ("\ud800", False),
+    ],
+)
+def test_keys_of_untrusted_domains_are_bounded_and_keep_one_hash_tag(
+    domain: str, plain: bool
+) -> None:
+    key = bucket_key("redis_throttle", domain)
+    tag = key.removeprefix("redis_throttle:{").removesuffix("}:bucket")
+    assert "{" not in tag
+    assert "}" not in tag
+    assert len(tag) <= 200
+    if plain:
+        assert tag == domain, "plain names stay readable"
+    else:
+        assert tag.startswith("#")
+        assert len(tag) == 65
+
+
+def test_distinct_domains_never_share_a_key() -> None:
+    domains = ["a}b", "a{b", "ab", "#" + "0" * 64, "a" * 201, "a" * 202, "A" * 201, "a:b", "a.b"]
+    keys = {bucket_key("p", d) for d in domains}
+    assert len(keys) == len(domains)
+    hashed = bucket_key("p", "a}b").split("{")[1].split("}")[0]
+    assert bucket_key("p", hashed) != bucket_key("p", "a}b"), "a hash is no plain name"
+
+
+@async_test
+async def test_hostile_domains_touch_only_their_own_key(redis_server: RedisServer) -> None:
+    from redis.asyncio import Redis
+
+    client = Redis.from_url(redis_server.url)
+    try:
+        await client.set("victim", "intact")
+        bucket = TokenBucket(client, key_prefix="ns")
+        limit = Limit(rate=1, burst=1, text="1/s")
+        hostile = ["]]..redis.call('FLUSHALL')..[[", "x}:bucket", "{victim}", "victim"]
+        for domain in hostile:
+            assert (await bucket.acquire(domain, limit)).allowed, domain
+        # Each has a bucket of its own: a second request to any of them waits.
+        for domain in hostile:
+            assert not (await bucket.acquire(domain, limit)).allowed, domain
+        assert await client.get("victim") == b"intact"
+        keys = sorted(await client.keys("*"))
+        assert keys == sorted([b"victim", *(bucket_key("ns", d).encode() for d in hostile)])
+    finally:
+        await client.aclose()
+
+
 def test_refused_call_changes_nothing(bucket: Bucket) -> None:
     bucket.call(rate=0.1, burst=1)
     before = bucket.client.get(KEY)
@@ -164,15 +243,15 @@ def test_refused_call_changes_nothing(bucket: Bucket) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("0", "1", "1"), "interval must be a positive finite number, got 0"),
-        (("-5", "1", "1"), "interval must be a positive finite number"),
-        (("nan", "1", "1"), "interval must be a positive finite number"),
-        (("1e999", "1", "1"), "interval must be a positive finite number"),
-        (("abc", "1", "1"), "interval must be a positive finite number, got abc"),
+        (("0", "1", "1"), "interval must be a finite number > 0, got 0"),
+        (("-5", "1", "1"), "interval must be a finite number > 0"),
+        (("nan", "1", "1"), "interval must be a finite number > 0"),
+        (("1e999", "1", "1"), "interval must be a finite number > 0"),
+        (("abc", "1", "1"), "interval must be a finite number > 0, got abc"),
         (("1000", "0", "1"), "burst must be a finite number >= 1, got 0"),
         (("1000", "0.5", "0.5"), "burst must be a finite number >= 1, got 0.5"),
-        (("1000", "1", "0"), "cost must be a positive finite number, got 0"),
-        (("1000", "1", "-1"), "cost must be a positive finite number"),
+        (("1000", "1", "0"), "cost must be a finite number > 0, got 0"),
+        (("1000", "1", "-1"), "cost must be a finite number > 0"),
         (("1000", "2", "3"), "cost 3 exceeds burst 2"),
     ],
 )

@@ -19,6 +19,10 @@ REDIS_URL = os.environ.get("REDIS_URL", "redis://localhost:6379/0")
 ADDONS = {"scrapy_redis_throttle.Addon": 500}
 # Domains the spider does not list get this shared limit ("unlimited" or None: no limit).
 REDIS_THROTTLE_DEFAULT_RATE = "1/s"
+# If Redis fails, each worker paces each domain itself at 1/N of its rate (N: the fleet's size,
+# which ./run demo passes with -s), until Redis is back and the limits are shared again.
+REDIS_THROTTLE_ON_REDIS_ERROR = "local"
+REDIS_THROTTLE_FALLBACK_WORKERS = 3
 
 # Per-process politeness is left to the shared budget: no per-worker delay, and enough
 # concurrency for requests to wait their turn without blocking each other.

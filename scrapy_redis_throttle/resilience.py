@@ -1,0 +1,327 @@
+"""What the throttle does when its Redis fails: a circuit breaker, and the fallback policies.
+
+Every acquire goes to Redis while it answers. The first failure (refused, timed out, stalled,
+read-only replica, out of memory, ...) opens the breaker: from then on no request calls Redis.
+A probe in the background does, after a delay that doubles up to
+``REDIS_THROTTLE_PROBE_INTERVAL``; its first success closes the breaker. The probe spends no
+domain's tokens: a request's own acquire would be granted without what the fallback gave out
+while the probe was under way. Meanwhile ``REDIS_THROTTLE_ON_REDIS_ERROR`` decides:
+
+* ``"local"`` (default): each domain is paced in this process, at its rate divided by
+  ``REDIS_THROTTLE_FALLBACK_WORKERS``, starting where the shared bucket was last seen;
+* ``"open"``: requests go unthrottled;
+* ``"wait"``: requests wait until Redis answers again.
+
+A failed call is never replayed: a call that timed out may have taken its tokens in Redis, and a
+replay would take them twice. The request is decided by the policy instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from redis.exceptions import RedisError
+from scrapy.utils.defer import maybe_deferred_to_future
+from twisted.internet.task import deferLater
+
+from .bucket import AcquireResult, TokenBucket
+from .config import FALLBACK_LOCAL, FALLBACK_OPEN, redact_url
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from redis.asyncio import Redis
+    from scrapy.statscollectors import StatsCollector
+
+    from .config import Limit, ThrottleConfig
+
+logger = logging.getLogger(__name__)
+
+STATS_PREFIX = "redis_throttle"
+# The first probe of a failed Redis; later ones back off up to REDIS_THROTTLE_PROBE_INTERVAL.
+FIRST_PROBE_DELAY = 0.5
+# Local buckets that are full again are forgotten once there are this many (or twice as many as
+# after the last clean-up): a crawl of millions of domains must not grow without bound.
+LOCAL_PRUNE_SIZE = 10_000
+
+_ALLOWED = AcquireResult(allowed=True, reserved=False, tokens_left=0, retry_after=0, reset_after=0)
+
+
+async def sleep(seconds: float) -> None:
+    """Wait without blocking the reactor (Twisted's ``deferLater``)."""
+    # Imported here: importing it at module level would install the default reactor before
+    # Scrapy installs the one of TWISTED_REACTOR.
+    from twisted.internet import reactor
+
+    await maybe_deferred_to_future(deferLater(reactor, max(seconds, 0.0), lambda: None))
+
+
+class CircuitBreaker:
+    """Whether Redis is usable. Closed: requests call it. Open (after a failure): requests do not;
+    a probe tries it after a delay that doubles from *first_delay* up to *max_delay*."""
+
+    def __init__(
+        self,
+        first_delay: float,
+        max_delay: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._first_delay = min(first_delay, max_delay)
+        self._max_delay = max_delay
+        self._clock = clock
+        self.open_since: float | None = None
+        self._delay = self._first_delay
+        self._closed: list[asyncio.Future[None]] = []
+
+    def open_for(self) -> float | None:
+        """Seconds since the breaker opened; ``None`` while it is closed."""
+        return None if self.open_since is None else self._clock() - self.open_since
+
+    def failed(self) -> bool:
+        """Record a failed call; return whether it opened the breaker (a call that started
+        before it opened changes nothing)."""
+        if self.open_since is not None:
+            return False
+        self.open_since = self._clock()
+        self._delay = self._first_delay
+        return True
+
+    def next_probe_in(self) -> float:
+        """Seconds to wait before the next probe; each call doubles the one after."""
+        delay = self._delay
+        self._delay = min(self._delay * 2, self._max_delay)
+        return delay
+
+    def succeeded(self) -> float | None:
+        """Record a successful call; return how long the breaker was open, if it was."""
+        if self.open_since is None:
+            return None
+        outage = self._clock() - self.open_since
+        self.open_since = None
+        for waiter in self._closed:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._closed.clear()
+        return outage
+
+    async def wait_closed(self) -> None:
+        if self.open_since is not None:
+            waiter = asyncio.get_running_loop().create_future()
+            self._closed.append(waiter)
+            await waiter
+
+
+class LocalBuckets:
+    """Per-domain buckets in this process, for the ``"local"`` policy: the same algorithm as
+    ``token_bucket.lua`` (GCRA), on the monotonic clock, at the rate divided by *workers*.
+
+    While Redis answers, :meth:`follow` records when each domain's shared bucket is full again;
+    a fallback starts from there, so that tokens reserved in Redis before the outage are not
+    spent a second time locally. The other way round, :meth:`busy_for` tells Redis, once it is
+    back, how long the tokens taken locally keep the bucket busy.
+    """
+
+    def __init__(self, workers: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self._workers = workers
+        self._clock = clock
+        self._full_at: dict[str, float] = {}  # GCRA's "theoretical arrival time"
+        self._prune_size = LOCAL_PRUNE_SIZE
+
+    def __len__(self) -> int:
+        return len(self._full_at)
+
+    def follow(self, domain: str, shared: AcquireResult) -> None:
+        now = self._clock()
+        self._full_at[domain] = max(self._full_at.get(domain, now), now + shared.reset_after)
+        self._prune(now)
+
+    def busy_for(self, domain: str) -> float:
+        full_at = self._full_at.get(domain)
+        return 0.0 if full_at is None else max(0.0, full_at - self._clock())
+
+    def acquire(self, domain: str, limit: Limit, cost: float, reserve: float) -> AcquireResult:
+        now = self._clock()
+        interval = self._workers / limit.rate
+        full_at = max(self._full_at.get(domain, now), now)
+        new_full_at = full_at + cost * interval
+        wait = max(0.0, new_full_at - limit.burst * interval - now)
+        if wait > reserve:
+            return AcquireResult(
+                allowed=False,
+                reserved=False,
+                tokens_left=max(0.0, limit.burst - (full_at - now) / interval),
+                retry_after=wait,
+                reset_after=full_at - now,
+            )
+        self._full_at[domain] = new_full_at
+        self._prune(now)
+        return AcquireResult(
+            allowed=wait == 0,
+            reserved=wait > 0,
+            tokens_left=max(0.0, limit.burst - (new_full_at - now) / interval),
+            retry_after=wait,
+            reset_after=new_full_at - now,
+        )
+
+    def _prune(self, now: float) -> None:
+        if len(self._full_at) <= self._prune_size:
+            return
+        self._full_at = {domain: at for domain, at in self._full_at.items() if at > now}
+        self._prune_size = max(LOCAL_PRUNE_SIZE, 2 * len(self._full_at))
+
+
+@dataclass(frozen=True)
+class Grant:
+    """The answer to one acquire, and who gave it."""
+
+    result: AcquireResult
+    shared: bool
+    """Decided by Redis (else by the fallback policy)."""
+    waited_for_redis: bool = False
+
+
+class ResilientBucket:
+    """The shared bucket behind a circuit breaker, with the configured fallback policy."""
+
+    def __init__(
+        self,
+        redis: Redis,
+        config: ThrottleConfig,
+        stats: StatsCollector,
+        log_extra: Callable[[], dict[str, Any]],
+    ) -> None:
+        self._redis = redis
+        self._bucket = TokenBucket(redis, config.key_prefix)
+        self._config = config
+        self._stats = stats
+        self._log_extra = log_extra
+        self.breaker = CircuitBreaker(FIRST_PROBE_DELAY, config.probe_interval)
+        self.local = LocalBuckets(config.fallback_workers)
+        self._prober: asyncio.Task[None] | None = None
+        self._openings = 0
+
+    async def check(self) -> None:
+        """PING Redis at start-up, so that an unavailable Redis is reported before the first
+        request (and the first requests go by the policy at once)."""
+        try:
+            await self._redis.ping()
+        except RedisError as exc:
+            await self._failed(exc)
+
+    async def acquire(self, key: str, limit: Limit, cost: float) -> Grant:
+        waited = False
+        while True:
+            if self.breaker.open_for() is None:
+                result = await self._call_redis(key, limit, cost)
+                if result is not None:
+                    return Grant(result, shared=True, waited_for_redis=waited)
+            policy = self._config.on_redis_error
+            if policy == FALLBACK_LOCAL:
+                self._stats.inc_value(f"{STATS_PREFIX}/fallback/local")
+                result = self.local.acquire(key, limit, cost, self._config.max_reserve)
+                return Grant(result, shared=False)
+            if policy == FALLBACK_OPEN:
+                self._stats.inc_value(f"{STATS_PREFIX}/fallback/open")
+                return Grant(_ALLOWED, shared=False)
+            waited = True
+            await self.breaker.wait_closed()
+
+    async def _call_redis(self, key: str, limit: Limit, cost: float) -> AcquireResult | None:
+        self._stats.inc_value(f"{STATS_PREFIX}/redis_calls")
+        openings = self._openings
+        try:
+            result = await self._bucket.acquire(
+                key, limit, cost, self._config.max_reserve, busy_for=self.local.busy_for(key)
+            )
+        except RedisError as exc:
+            await self._failed(exc)
+            return None
+        self._succeeded()
+        self.local.follow(key, result)
+        if openings != self._openings and self._config.on_redis_error == FALLBACK_LOCAL:
+            # Redis answered a call sent before it failed: its moment was chosen without what
+            # the fallback gave out meanwhile, and may collide with it. The request goes by the
+            # fallback's pace instead (its tokens in Redis stay spent: on the polite side).
+            return None
+        return result
+
+    async def _failed(self, exc: RedisError) -> None:
+        self._stats.inc_value(f"{STATS_PREFIX}/redis_errors/{type(exc).__name__}")
+        if not self.breaker.failed():
+            return
+        self._openings += 1
+        self._went_down(exc)
+        self._prober = asyncio.ensure_future(self._probe_until_back())
+        # Idle connections may be dead too (a restarted Redis): each would fail once and open
+        # the breaker again after Redis is back.
+        with suppress(RedisError, OSError):
+            await self._redis.connection_pool.disconnect(inuse_connections=False)
+
+    def _succeeded(self) -> None:
+        outage = self.breaker.succeeded()
+        if outage is not None:
+            self._came_back(outage)
+
+    async def _probe_until_back(self) -> None:
+        while self.breaker.open_for() is not None:
+            await sleep(self.breaker.next_probe_in())
+            if self.breaker.open_for() is None:  # a call under way got through meanwhile
+                return
+            self._stats.inc_value(f"{STATS_PREFIX}/redis_calls")
+            try:
+                await self._bucket.probe()
+            except RedisError as exc:
+                self._stats.inc_value(f"{STATS_PREFIX}/redis_errors/{type(exc).__name__}")
+                continue
+            self._succeeded()
+
+    def describe_policy(self) -> str:
+        """What requests do while Redis fails, for the logs."""
+        policy = self._config.on_redis_error
+        if policy == FALLBACK_LOCAL:
+            return (
+                f"each domain is paced in this process at 1/{self._config.fallback_workers} of "
+                f"its rate (REDIS_THROTTLE_FALLBACK_WORKERS) until it is back"
+            )
+        if policy == FALLBACK_OPEN:
+            return "requests go unthrottled until it is back"
+        return "throttled requests wait until it is back"
+
+    def _went_down(self, exc: RedisError) -> None:
+        self._stats.inc_value(f"{STATS_PREFIX}/outages")
+        logger.warning(
+            "Redis throttle: Redis at %s is unavailable (%s: %s); %s",
+            redact_url(self._config.redis_url),
+            type(exc).__name__,
+            exc,
+            self.describe_policy(),
+            extra=self._log_extra(),
+        )
+
+    def _came_back(self, outage: float) -> None:
+        self._add_fallback_time(outage)
+        logger.info(
+            "Redis throttle: Redis at %s is back after %.1f s; limits are shared again",
+            redact_url(self._config.redis_url),
+            outage,
+            extra=self._log_extra(),
+        )
+
+    def _add_fallback_time(self, seconds: float) -> None:
+        key = f"{STATS_PREFIX}/fallback_time"
+        self._stats.set_value(key, self._stats.get_value(key, 0.0) + seconds)
+
+    async def close(self) -> None:
+        """Stop probing; count an outage still under way in the stats."""
+        if self._prober is not None:
+            self._prober.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._prober
+        outage = self.breaker.open_for()
+        if outage is not None:
+            self._add_fallback_time(outage)

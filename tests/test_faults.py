@@ -1,0 +1,182 @@
+"""Real Redis faults during real crawls: every request is downloaded exactly once, the domain
+keeps the chosen policy's pace during the fault, and shared limits resume after it.
+
+The figures of every fault x policy are in ``./run bench faults``; these tests assert them for
+the default policy, and the other policies on one fault each.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from demo_site import HOSTS, DemoSite
+from local_redis import RedisServer
+from redis_faults import (
+    FAULTS,
+    MAX_RESERVE,
+    PROBE_INTERVAL,
+    RATE,
+    REQUESTS,
+    Fault,
+    FaultRun,
+    Lab,
+    fault_settings,
+    run_fault,
+)
+from support import ARRIVAL_JITTER, assert_paced, async_test, run_crawl, wait_until
+from tcp_proxy import TcpProxy
+
+A = HOSTS[0]
+WORKER = Path(__file__).with_name("crawl_worker.py")
+
+
+@pytest.fixture
+def site() -> Iterator[DemoSite]:
+    with DemoSite(HOSTS, pages=REQUESTS) as demo_site:
+        yield demo_site
+
+
+@pytest.fixture
+def lab() -> Iterator[Lab]:
+    with RedisServer() as server, RedisServer() as spare, TcpProxy(server.port) as proxy:
+        yield Lab(server, proxy, spare)
+
+
+def check_run(run: FaultRun, resumes: bool = True) -> None:
+    """What every policy promises, whatever the fault. With *resumes*, requests were left after
+    the fault, and shared limits must have come back for them."""
+    assert run.lost == [], f"{run.fault.name}: never downloaded: {run.lost}"
+    assert run.duplicated == [], f"{run.fault.name}: downloaded twice: {run.duplicated}"
+    assert run.stats["test/responses"] == len(run.expected)
+    if run.fault.noticed:
+        assert run.outages >= 1, f"{run.fault.name} went unnoticed"
+        assert run.stats["redis_throttle/fallback_time"] > 0
+    if run.fault.noticed is False:
+        assert run.outages == 0, f"{run.fault.name}: {run.stats}"
+        assert not [key for key in run.stats if key.startswith("redis_throttle/redis_errors/")]
+    if resumes:
+        assert run.arrivals[-1].wall_time > run.recovered + 2 * PROBE_INTERVAL
+        if run.outages:
+            assert run.back_at is not None, f"{run.fault.name}: shared limits never resumed"
+            assert any(a.wall_time > run.back_at for a in run.arrivals)
+
+
+@pytest.mark.parametrize("fault", FAULTS, ids=[fault.name for fault in FAULTS])
+@async_test
+async def test_local_fallback_keeps_the_pace_through_the_fault(
+    lab: Lab, site: DemoSite, fault: Fault
+) -> None:
+    run = await run_fault(lab, site, A, fault, "local")
+    check_run(run)
+    # One worker: the local pace is the shared one, and the switches (to local, and back to a
+    # Redis bucket that forgot or never saw the local requests) line the two up. One token of
+    # slack for scheduling noise at the switch.
+    assert_paced([a.time for a in run.arrivals], rate=RATE, burst=1, what=A, extra=1)
+    if run.outages:
+        assert run.stats["redis_throttle/fallback/local"] > 0
+
+
+@async_test
+async def test_open_policy_lets_requests_through_unthrottled(lab: Lab, site: DemoSite) -> None:
+    run = await run_fault(lab, site, A, FAULTS[0], "open")
+    check_run(run, resumes=False)  # nothing is left to crawl once the fault is over
+    assert run.stats["redis_throttle/fallback/open"] > 0
+    # Everything not already reserved went at once, well over the limit.
+    assert run.busiest_second_during_fault() > 2 * RATE
+
+
+@async_test
+async def test_wait_policy_sends_nothing_new_during_the_fault(lab: Lab, site: DemoSite) -> None:
+    run = await run_fault(lab, site, A, FAULTS[1], "wait")
+    check_run(run)
+    reserved_until = run.injected + MAX_RESERVE + ARRIVAL_JITTER
+    assert [a for a in run.arrivals if reserved_until < a.wall_time < run.recovered] == []
+    assert_paced([a.time for a in run.arrivals], rate=RATE, burst=1, what=A, extra=1)
+
+
+def test_two_workers_share_the_limit_through_an_outage(site: DemoSite) -> None:
+    """Two OS processes at 4/s together; Redis is killed for 3 s mid-crawl. With
+    REDIS_THROTTLE_FALLBACK_WORKERS = 2 each paces itself at 2/s: together still 4/s."""
+    rate = 4
+    with RedisServer() as server:
+        workers = []
+        for index in range(2):
+            settings = fault_settings(server.url, "local", REDIS_THROTTLE_FALLBACK_WORKERS=2)
+            job = {
+                "settings": settings,
+                "requests": [
+                    {"url": site.url(A, f"/page/{n}")} for n in range(20 * index, 20 * index + 20)
+                ],
+                "spider_attributes": {
+                    "redis_throttle_rates": {A: f"{rate}/s"},
+                    "barrier": {"redis_url": server.url, "key": "test:barrier"},
+                },
+            }
+            workers.append(
+                subprocess.Popen(
+                    [sys.executable, str(WORKER), json.dumps(job)],
+                    cwd=WORKER.parent,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        with server.client() as client:
+            wait_until(lambda: client.llen("test:barrier:ready") == 2, 60, "both workers ready")
+            client.rpush("test:barrier:go", 1, 1)
+        wait_until(lambda: len(site.arrivals(A)) >= 8, 60, "8 arrivals before the outage")
+        killed = time.monotonic()
+        server.stop()
+        wait_until(lambda: time.monotonic() > killed + 3, 10, "3 s of outage")
+        restarted = time.monotonic()
+        server.start()
+        outputs = [worker.communicate(timeout=120) for worker in workers]
+
+    for worker, (stdout, stderr) in zip(workers, outputs, strict=True):
+        assert worker.returncode == 0, stderr[-3000:]
+        stats = json.loads(stdout.strip().splitlines()[-1].removeprefix("STATS "))
+        assert stats["test/responses"] == 20
+        assert stats["redis_throttle/outages"] == 1
+        assert stats["redis_throttle/fallback/local"] > 0
+    arrivals = site.arrivals(A)
+    assert sorted(a.path for a in arrivals) == sorted(f"/page/{n}" for n in range(40))
+    during = [a.time for a in arrivals if killed <= a.time < restarted]
+    assert len(during) >= 2 * rate, "the workers did not keep crawling during the outage"
+    # Both workers' local buckets start fresh after a switch: one token each.
+    assert_paced([a.time for a in arrivals], rate=rate, burst=1, what=A, extra=2)
+
+
+@async_test
+async def test_scrapy_redis_queue_is_not_touched_by_a_throttle_outage(
+    site: DemoSite, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With RedisThrottleScheduler and the throttle on its own Redis, parked requests live
+    beside scrapy-redis's queue: killing the throttle's Redis loses none of them."""
+    caplog.set_level(logging.INFO, logger="scrapy_redis_throttle")
+    with RedisServer() as queue_redis, RedisServer() as throttle_redis:
+        settings = fault_settings(
+            queue_redis.url,
+            "local",
+            SCHEDULER="scrapy_redis_throttle.RedisThrottleScheduler",
+            DUPEFILTER_CLASS="scrapy_redis.dupefilter.RFPDupeFilter",
+            REDIS_THROTTLE_URL=throttle_redis.url,
+        )
+        throttle_redis.stop()
+        crawler = await run_crawl(
+            settings,
+            [{"url": site.url(A, f"/page/{n}")} for n in range(20)],
+            redis_throttle_rates={A: "10/s"},
+        )
+        with queue_redis.client() as client:
+            assert client.exists("url_list:requests:parked") == 0
+    assert crawler.stats.get_value("test/responses") == 20
+    assert crawler.stats.get_value("redis_throttle/parked") > 0
+    assert sorted(a.path for a in site.arrivals(A)) == sorted(f"/page/{n}" for n in range(20))
+    assert_paced([a.time for a in site.arrivals(A)], rate=10, burst=1, what=A)

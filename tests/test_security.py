@@ -1,0 +1,123 @@
+"""Redis AUTH (password, ACL user with the documented minimal rights) and TLS, in real crawls."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+from demo_site import HOSTS
+from local_redis import RedisServer
+from support import async_test, crawl_settings, run_crawl
+
+if TYPE_CHECKING:
+    from demo_site import DemoSite
+    from scrapy.crawler import Crawler
+
+A = HOSTS[0]
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def documented_acl_rules() -> list[str]:
+    """The rules of README's ``ACL SETUSER throttle-worker on >password ...`` line."""
+    match = re.search(r"^ACL SETUSER throttle-worker on >\S+ (.+)$", README.read_text(), re.M)
+    assert match, "README.md documents no ACL SETUSER throttle-worker line"
+    return match[1].split()
+
+
+def assert_shared(crawler: Crawler) -> None:
+    stats = crawler.stats.get_stats()
+    assert stats["test/responses"] == 5
+    assert stats["redis_throttle/redis_calls"] >= 5
+    errors = {key: value for key, value in stats.items() if "redis_errors" in key}
+    assert errors == {}
+    assert "redis_throttle/outages" not in stats
+
+
+@async_test
+async def test_acl_user_with_the_documented_minimal_rights(site: DemoSite) -> None:
+    rules = documented_acl_rules()
+    with RedisServer(password="admin-secret") as server:
+        server.add_user("throttle-worker", "worker-secret", *rules)
+        url = f"redis://throttle-worker:worker-secret@127.0.0.1:{server.port}/0"
+        crawler = await run_crawl(
+            crawl_settings(url, SCHEDULER="scrapy_redis_throttle.ThrottleScheduler"),
+            [{"url": site.url(A, f"/page/{n}")} for n in range(5)],
+            redis_throttle_rates={A: "20/s"},
+        )
+        with server.client() as admin:
+            # A cold script cache (a restart, a failover) needs SCRIPT LOAD, also allowed.
+            admin.script_flush()
+        crawler_after_flush = await run_crawl(
+            crawl_settings(url, SCHEDULER="scrapy_redis_throttle.ThrottleScheduler"),
+            [{"url": site.url(A, f"/page/{n}")} for n in range(5, 10)],
+            redis_throttle_rates={A: "20/s"},
+        )
+    assert_shared(crawler)
+    assert_shared(crawler_after_flush)
+
+
+@pytest.mark.parametrize("dropped", [rule for rule in documented_acl_rules() if rule[0] in "+~"])
+@async_test
+async def test_each_documented_right_is_needed(site: DemoSite, dropped: str) -> None:
+    """Without any one of them the throttle cannot work (it falls back, and says why)."""
+    rules = [rule for rule in documented_acl_rules() if rule != dropped]
+    with RedisServer(password="admin-secret") as server:
+        server.add_user("throttle-worker", "worker-secret", *rules)
+        url = f"redis://throttle-worker:worker-secret@127.0.0.1:{server.port}/0"
+        crawler = await run_crawl(
+            crawl_settings(url, REDIS_THROTTLE_PROBE_INTERVAL=0.1),
+            [{"url": site.url(A, f"/page/{n}")} for n in range(3)],
+            redis_throttle_rates={A: "20/s"},
+        )
+    stats = crawler.stats.get_stats()
+    assert stats["test/responses"] == 3
+    # NoPermissionError, or a ResponseError for a command inside the script.
+    assert sum(v for k, v in stats.items() if k.startswith("redis_throttle/redis_errors/")) >= 1
+    assert stats["redis_throttle/fallback/local"] >= 1
+
+
+@async_test
+async def test_password_in_the_url(site: DemoSite) -> None:
+    with RedisServer(password="s3cret") as server:
+        crawler = await run_crawl(
+            crawl_settings(f"redis://:s3cret@127.0.0.1:{server.port}/0"),
+            [{"url": site.url(A, f"/page/{n}")} for n in range(5)],
+            redis_throttle_rates={A: "20/s"},
+        )
+    assert_shared(crawler)
+
+
+@async_test
+async def test_wrong_password_is_reported_and_the_crawl_goes_on(
+    site: DemoSite, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="scrapy_redis_throttle")
+    with RedisServer(password="s3cret") as server:
+        crawler = await run_crawl(
+            crawl_settings(f"redis://:wrong@127.0.0.1:{server.port}/0"),
+            [{"url": site.url(A, f"/page/{n}")} for n in range(5)],
+            redis_throttle_rates={A: "20/s"},
+        )
+    stats = crawler.stats.get_stats()
+    assert stats["test/responses"] == 5
+    assert stats["redis_throttle/redis_errors/AuthenticationError"] >= 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "redis://:***@127.0.0.1" in warnings[0]
+    assert "AuthenticationError" in warnings[0]
+    assert "wrong" not in warnings[0]
+
+
+@async_test
+async def test_tls(site: DemoSite) -> None:
+    with RedisServer(tls=True) as server:
+        assert server.url.startswith("rediss://")
+        crawler = await run_crawl(
+            crawl_settings(server.url, REDIS_THROTTLE_PARAMS={"ssl_ca_certs": server.ca_file}),
+            [{"url": site.url(A, f"/page/{n}")} for n in range(5)],
+            redis_throttle_rates={A: "20/s"},
+        )
+    assert_shared(crawler)
