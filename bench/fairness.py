@@ -17,11 +17,9 @@ Run: ``./run bench fairness`` (about 3 minutes). Prints a table, then one JSON l
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
-import warnings
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,14 +30,12 @@ sys.path.insert(0, str(ROOT / "example_project"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from demo_site import DemoSite  # noqa: E402
+from harness import run_benchmark  # noqa: E402
 from local_redis import RedisServer  # noqa: E402
 from run_demo import busiest_window  # noqa: E402
 from scrapy.crawler import CrawlerRunner  # noqa: E402
-from scrapy.exceptions import ScrapyDeprecationWarning  # noqa: E402
-from scrapy.utils.defer import deferred_from_coro, maybe_deferred_to_future  # noqa: E402
-from scrapy.utils.reactor import install_reactor  # noqa: E402
+from scrapy.utils.defer import maybe_deferred_to_future  # noqa: E402
 from spiders import UrlListSpider  # noqa: E402
-from twisted.internet.task import react  # noqa: E402
 
 SLOW_INTERVAL = 3.0
 SLOW_REQUESTS = 8
@@ -167,25 +163,19 @@ async def main() -> list[dict[str, Any]]:
     return rows
 
 
-async def report() -> None:
-    print(
-        f"{'scenario':<13} {'mode':<16} {'alone s':>8} {'with slow':>10} {'ratio':>7} "
-        f"{'limit kept':>10} {'all once':>9}"
-    )
-    print("-" * 79)
-    rows = await main()
-    print(
-        "\n'alone s'/'with slow': seconds until the free domains' last request, without and with "
-        "the slow\ndomains; 'ratio': how much the slow domains delay the free ones."
-    )
-    print(json.dumps({"benchmark": "fairness", "rows": rows}))
-
-
 def run() -> None:
-    # scrapy-redis 0.9.1 passes spider= to the stats collector, which current Scrapy deprecates.
-    warnings.filterwarnings("ignore", category=ScrapyDeprecationWarning, module="scrapy_redis")
-    install_reactor("twisted.internet.asyncioreactor.AsyncioSelectorReactor")
-    react(lambda _reactor: deferred_from_coro(report()))
+    run_benchmark(
+        "fairness",
+        (
+            f"{'scenario':<13} {'mode':<16} {'alone s':>8} {'with slow':>10} {'ratio':>7} "
+            f"{'limit kept':>10} {'all once':>9}"
+        ),
+        main,
+        (
+            "'alone s'/'with slow': seconds until the free domains' last request, without and with "
+            "the slow\ndomains; 'ratio': how much the slow domains delay the free ones."
+        ),
+    )
 
 
 if __name__ == "__main__":

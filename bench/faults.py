@@ -15,10 +15,8 @@ Run: ``./run bench faults`` (about 4 minutes). Prints a table, then one JSON lin
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +25,10 @@ sys.path.insert(0, str(ROOT / "example_project"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from demo_site import HOSTS, DemoSite  # noqa: E402
+from harness import run_benchmark  # noqa: E402
 from local_redis import RedisServer  # noqa: E402
 from redis_faults import FAULTS, REQUESTS, Lab, policy_bound, run_fault  # noqa: E402
-from scrapy.exceptions import ScrapyDeprecationWarning  # noqa: E402
-from scrapy.utils.defer import deferred_from_coro  # noqa: E402
-from scrapy.utils.reactor import install_reactor  # noqa: E402
 from tcp_proxy import TcpProxy  # noqa: E402
-from twisted.internet.task import react  # noqa: E402
 
 POLICIES = ["local", "open", "wait"]
 
@@ -77,25 +72,20 @@ async def main() -> list[dict[str, Any]]:
     return rows
 
 
-async def report() -> None:
-    print(
-        f"{'fault':<26} {'policy':<6} {'lost':>4} {'twice':>5} {'finished':>8} "
-        f"{'busiest 1 s':>15} {'outages':>7} {'back after':>10}"
-    )
-    print("-" * 88)
-    rows = await main()
-    print(
-        "\n'busiest 1 s': arrivals at the site in the busiest second of the fault / the policy's "
-        "bound\n(10/s, burst 1, one more per switch between shared and local pacing)."
-    )
-    print(json.dumps({"benchmark": "faults", "rows": rows}))
-
-
 def run() -> None:
-    warnings.filterwarnings("ignore", category=ScrapyDeprecationWarning, module="scrapy_redis")
     logging.getLogger("scrapy").setLevel(logging.ERROR)
-    install_reactor("twisted.internet.asyncioreactor.AsyncioSelectorReactor")
-    react(lambda _reactor: deferred_from_coro(report()))
+    run_benchmark(
+        "faults",
+        (
+            f"{'fault':<26} {'policy':<6} {'lost':>4} {'twice':>5} {'finished':>8} "
+            f"{'busiest 1 s':>15} {'outages':>7} {'back after':>10}"
+        ),
+        main,
+        (
+            "'busiest 1 s': arrivals at the site in the busiest second of the fault / the policy's "
+            "bound\n(10/s, burst 1, one more per switch between shared and local pacing)."
+        ),
+    )
 
 
 if __name__ == "__main__":

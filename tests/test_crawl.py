@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,18 +24,19 @@ from scrapy.utils.defer import maybe_deferred_to_future
 from spiders import UrlListSpider
 from support import (
     ARRIVAL_JITTER,
+    WORKER,
     achieved_rate,
     assert_paced,
     async_test,
     crawl_settings,
+    finish_crawl_workers,
     run_crawl,
-    wait_until,
+    start_crawl_workers,
 )
 
 from scrapy_redis_throttle import Addon, RedisThrottleMiddleware, ThrottleConfigError
 
 A, B, C = HOSTS
-WORKER = Path(__file__).with_name("crawl_worker.py")
 
 
 def pages(
@@ -184,32 +184,16 @@ async def test_invalid_meta_fails_only_that_request(
 
 def test_two_crawler_processes_share_one_budget(redis_server: RedisServer, site: DemoSite) -> None:
     """Two OS processes, 10 requests each to A at 4/s: together, not each, at 4/s."""
-    workers = []
-    for index in range(2):
-        job = {
+    jobs = [
+        {
             "settings": crawl_settings(redis_server.url, LOG_LEVEL="INFO"),
             "requests": pages(site, A, 10, first=10 * index),
-            "spider_attributes": {
-                "redis_throttle_rates": {A: "4/s"},
-                "barrier": {"redis_url": redis_server.url, "key": "test:barrier"},
-            },
+            "spider_attributes": {"redis_throttle_rates": {A: "4/s"}},
         }
-        workers.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), json.dumps(job)],
-                cwd=WORKER.parent,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    with redis_server.client() as client:
-        wait_until(lambda: client.llen("test:barrier:ready") == 2, 60, "both workers ready")
-        client.rpush("test:barrier:go", 1, 1)
-    outputs = [worker.communicate(timeout=60) for worker in workers]
-    for worker, (stdout, stderr) in zip(workers, outputs, strict=True):
-        assert worker.returncode == 0, stderr[-3000:]
-        stats = json.loads(stdout.strip().splitlines()[-1].removeprefix("STATS "))
+        for index in range(2)
+    ]
+    workers = start_crawl_workers(redis_server.url, jobs)
+    for stats in finish_crawl_workers(workers, timeout=60):
         assert stats["test/responses"] == 10
 
     arrivals = site.arrivals(A)

@@ -7,13 +7,9 @@ the default policy, and the other policies on one fault each.
 
 from __future__ import annotations
 
-import json
 import logging
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from demo_site import HOSTS, DemoSite
@@ -30,11 +26,18 @@ from redis_faults import (
     fault_settings,
     run_fault,
 )
-from support import ARRIVAL_JITTER, assert_paced, async_test, run_crawl, wait_until
+from support import (
+    ARRIVAL_JITTER,
+    assert_paced,
+    async_test,
+    finish_crawl_workers,
+    run_crawl,
+    start_crawl_workers,
+    wait_until,
+)
 from tcp_proxy import TcpProxy
 
 A = HOSTS[0]
-WORKER = Path(__file__).with_name("crawl_worker.py")
 
 
 @pytest.fixture
@@ -106,42 +109,26 @@ def test_two_workers_share_the_limit_through_an_outage(site: DemoSite) -> None:
     REDIS_THROTTLE_FALLBACK_WORKERS = 2 each paces itself at 2/s: together still 4/s."""
     rate = 4
     with RedisServer() as server:
-        workers = []
-        for index in range(2):
-            settings = fault_settings(server.url, "local", REDIS_THROTTLE_FALLBACK_WORKERS=2)
-            job = {
-                "settings": settings,
+        jobs = [
+            {
+                "settings": fault_settings(server.url, "local", REDIS_THROTTLE_FALLBACK_WORKERS=2),
                 "requests": [
                     {"url": site.url(A, f"/page/{n}")} for n in range(20 * index, 20 * index + 20)
                 ],
-                "spider_attributes": {
-                    "redis_throttle_rates": {A: f"{rate}/s"},
-                    "barrier": {"redis_url": server.url, "key": "test:barrier"},
-                },
+                "spider_attributes": {"redis_throttle_rates": {A: f"{rate}/s"}},
             }
-            workers.append(
-                subprocess.Popen(
-                    [sys.executable, str(WORKER), json.dumps(job)],
-                    cwd=WORKER.parent,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
-            )
-        with server.client() as client:
-            wait_until(lambda: client.llen("test:barrier:ready") == 2, 60, "both workers ready")
-            client.rpush("test:barrier:go", 1, 1)
+            for index in range(2)
+        ]
+        workers = start_crawl_workers(server.url, jobs)
         wait_until(lambda: len(site.arrivals(A)) >= 8, 60, "8 arrivals before the outage")
         killed = time.monotonic()
         server.stop()
         wait_until(lambda: time.monotonic() > killed + 3, 10, "3 s of outage")
         restarted = time.monotonic()
         server.start()
-        outputs = [worker.communicate(timeout=120) for worker in workers]
+        all_stats = finish_crawl_workers(workers, timeout=120)
 
-    for worker, (stdout, stderr) in zip(workers, outputs, strict=True):
-        assert worker.returncode == 0, stderr[-3000:]
-        stats = json.loads(stdout.strip().splitlines()[-1].removeprefix("STATS "))
+    for stats in all_stats:
         assert stats["test/responses"] == 20
         assert stats["redis_throttle/outages"] == 1
         assert stats["redis_throttle/fallback/local"] > 0
