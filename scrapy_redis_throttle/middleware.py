@@ -87,7 +87,7 @@ class RedisThrottleMiddleware:
         await self.budget.check()
 
     async def _spider_closed(self, spider: Spider) -> None:
-        await self.budget.close()
+        self.budget.close()
         await self.redis.aclose(close_connection_pool=True)
 
     def _log_extra(self) -> dict[str, Any]:
