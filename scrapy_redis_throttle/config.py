@@ -27,7 +27,6 @@ UNLIMITED = "unlimited"
 DEFAULT_RATE = "1/s"
 DEFAULT_BURST = 1
 DEFAULT_KEY_PREFIX = "redis_throttle"
-DEFAULT_MAX_CONNECTIONS = 32
 DEFAULT_MAX_HOLD = 1.0
 DEFAULT_MAX_RESERVE = 300.0
 DEFAULT_PROBE_INTERVAL = 5.0
@@ -42,7 +41,7 @@ DEFAULT_REDIS_PARAMS: Mapping[str, Any] = {"socket_timeout": 1.0, "socket_connec
 # Client parameters the throttle chooses itself, with the reason.
 _NO_REPLAY = "a replayed acquire could take its tokens twice; see REDIS_THROTTLE_ON_REDIS_ERROR"
 _SET_BY_THE_THROTTLE = {
-    "max_connections": "use REDIS_THROTTLE_MAX_CONNECTIONS",
+    "max_connections": "each script has one connection, pipelined",
     "retry": _NO_REPLAY,
     "retry_on_timeout": _NO_REPLAY,
     "retry_on_error": _NO_REPLAY,
@@ -244,7 +243,6 @@ class ThrottleConfig:
     redis_url: str
     redis_params: Mapping[str, Any]
     key_prefix: str
-    max_connections: int
     max_hold: float
     """Longest wait a request spends in the middleware when the scheduler can park it."""
     max_reserve: float
@@ -294,12 +292,6 @@ class ThrottleConfig:
                 f"REDIS_THROTTLE_KEY_PREFIX must be a non-empty string without '{{', "
                 f"got {key_prefix!r}"
             )
-        max_connections = parse_positive_int(
-            _get(settings, "REDIS_THROTTLE_MAX_CONNECTIONS", DEFAULT_MAX_CONNECTIONS),
-            source="REDIS_THROTTLE_MAX_CONNECTIONS",
-            what="the value",
-        )
-
         on_redis_error = _get(settings, "REDIS_THROTTLE_ON_REDIS_ERROR", FALLBACK_LOCAL)
         policies = (FALLBACK_LOCAL, FALLBACK_OPEN, FALLBACK_WAIT)
         if on_redis_error not in policies:
@@ -326,7 +318,6 @@ class ThrottleConfig:
             redis_url=_redis_url(settings),
             redis_params=_redis_params(settings),
             key_prefix=key_prefix,
-            max_connections=max_connections,
         )
 
 

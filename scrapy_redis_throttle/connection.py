@@ -12,9 +12,10 @@ if TYPE_CHECKING:
     from .config import ThrottleConfig
 
 
-def connect(config: ThrottleConfig, max_connections: int) -> Redis:
-    """A client of the throttle's Redis with a pool of its own."""
-    return connect_url(config.redis_url, config.redis_params, max_connections)
+def connect(config: ThrottleConfig) -> Redis:
+    """A client of the throttle's Redis with a pool of its own: for the start-up PING, and the
+    settings of the scripts' own connections (see :class:`.scripts.LuaScript`)."""
+    return connect_url(config.redis_url, config.redis_params, 1)
 
 
 def connect_url(url: str, params: Mapping[str, Any], max_connections: int) -> Redis:

@@ -13,7 +13,7 @@ Settings (see README.md for the full reference):
 * ``REDIS_THROTTLE_ON_REDIS_ERROR``, ``REDIS_THROTTLE_FALLBACK_WORKERS``,
   ``REDIS_THROTTLE_PROBE_INTERVAL`` - what happens while Redis fails (see
   :mod:`scrapy_redis_throttle.resilience`)
-* ``REDIS_THROTTLE_KEY_PREFIX``, ``REDIS_THROTTLE_MAX_CONNECTIONS``
+* ``REDIS_THROTTLE_KEY_PREFIX``
 
 Request meta keys: ``dont_redis_throttle``, ``redis_throttle_key``, ``redis_throttle_cost``.
 """
@@ -61,7 +61,7 @@ class RedisThrottleMiddleware:
             )
         self.crawler = crawler
         self.stats = crawler.stats
-        self.redis = connect(self.config, self.config.max_connections)
+        self.redis = connect(self.config)
         self.budget = ResilientBucket(self.redis, self.config, crawler.stats, self._log_extra)
         self.parking = issubclass(load_object(crawler.settings["SCHEDULER"]), ParkingScheduler)
         crawler.signals.connect(self._spider_opened, signal=signals.spider_opened)
@@ -87,7 +87,7 @@ class RedisThrottleMiddleware:
         await self.budget.check()
 
     async def _spider_closed(self, spider: Spider) -> None:
-        self.budget.close()
+        await self.budget.aclose()
         await self.redis.aclose(close_connection_pool=True)
 
     def _log_extra(self) -> dict[str, Any]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from contextlib import suppress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -211,7 +210,7 @@ class ResilientBucket:
         try:
             await self._redis.ping()
         except RedisError as exc:
-            await self._failed(exc)
+            self._failed(exc)
 
     async def acquire(self, key: str, limit: Limit, cost: float) -> Grant:
         waited = False
@@ -239,7 +238,7 @@ class ResilientBucket:
                 key, limit, cost, self._config.max_reserve, busy_for=self.local.busy_for(key)
             )
         except RedisError as exc:
-            await self._failed(exc)
+            self._failed(exc)
             return None
         self._succeeded()
         self.local.follow(key, result)
@@ -250,17 +249,13 @@ class ResilientBucket:
             return None
         return result
 
-    async def _failed(self, exc: RedisError) -> None:
+    def _failed(self, exc: RedisError) -> None:
         self._stats.inc_value(f"{STATS_PREFIX}/redis_errors/{type(exc).__name__}")
         if not self.breaker.failed():
             return
         self._openings += 1
         self._went_down(exc)
         self._prober = asyncio.ensure_future(self._probe_until_back())
-        # Idle connections may be dead too (a restarted Redis): each would fail once and open
-        # the breaker again after Redis is back.
-        with suppress(RedisError, OSError):
-            await self._redis.connection_pool.disconnect(inuse_connections=False)
 
     def _succeeded(self) -> None:
         outage = self.breaker.succeeded()
@@ -316,8 +311,8 @@ class ResilientBucket:
         key = f"{STATS_PREFIX}/fallback_time"
         self._stats.set_value(key, self._stats.get_value(key, 0.0) + seconds)
 
-    def close(self) -> None:
-        """Stop probing; count an outage still under way in the stats."""
+    async def aclose(self) -> None:
+        """Stop probing, disconnect; count an outage still under way in the stats."""
         if self._prober is not None:
             # Not awaited: awaiting the cancelled probe task hung the spider's close (seen in
             # tests/test_security.py, with the probe failing every 0.1 s).
@@ -325,3 +320,4 @@ class ResilientBucket:
         outage = self.breaker.open_for()
         if outage is not None:
             self._add_fallback_time(outage)
+        await self._bucket.aclose()

@@ -1,19 +1,14 @@
-"""Test support: bounded waits, async tests, server-side pacing checks, a test spider."""
+"""Test support: async tests, server-side pacing checks, in-process crawls; and, from
+:mod:`processes`, bounded waits and crawls in worker processes."""
 
 from __future__ import annotations
 
 import functools
-import json
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Coroutine, Generator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import pytest
 import pytest_twisted
-import redis
+from processes import WORKER, finish_crawl_workers, start_crawl_workers, wait_until
 from scrapy.crawler import CrawlerRunner
 from scrapy.utils.defer import deferred_from_coro, maybe_deferred_to_future
 from spiders import BASE_SETTINGS, UrlListSpider
@@ -21,17 +16,6 @@ from twisted.internet.defer import Deferred
 
 if TYPE_CHECKING:
     from scrapy.crawler import Crawler
-
-
-def wait_until(
-    predicate: Callable[[], object], timeout: float, message: str, interval: float = 0.02
-) -> None:
-    """Poll *predicate* until it is true; fail with *message* after *timeout* seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s: {message}")
-        time.sleep(interval)
 
 
 def async_test(func: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., Deferred[None]]:
@@ -90,44 +74,14 @@ async def run_crawl(
     return crawler
 
 
-WORKER = Path(__file__).with_name("crawl_worker.py")
-
-
-def start_crawl_workers(redis_url: str, jobs: list[dict[str, Any]]) -> list[subprocess.Popen[str]]:
-    """Start one ``crawl_worker.py`` OS process per job and let them all go at once (their
-    spiders wait at a barrier in Redis until every one is ready)."""
-    workers = []
-    for job in jobs:
-        spider_attributes = {
-            **job.get("spider_attributes", {}),
-            "barrier": {"redis_url": redis_url, "key": "test:barrier"},
-        }
-        workers.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    str(WORKER),
-                    json.dumps({**job, "spider_attributes": spider_attributes}),
-                ],
-                cwd=WORKER.parent,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    with redis.Redis.from_url(redis_url) as client:
-        wait_until(lambda: client.llen("test:barrier:ready") == len(jobs), 60, "every worker ready")
-        client.rpush("test:barrier:go", *[1] * len(jobs))
-    return workers
-
-
-def finish_crawl_workers(
-    workers: list[subprocess.Popen[str]], timeout: float
-) -> list[dict[str, Any]]:
-    """Wait for the workers to end; check each ended well and return each one's crawl stats."""
-    outputs = [worker.communicate(timeout=timeout) for worker in workers]
-    all_stats = []
-    for worker, (stdout, stderr) in zip(workers, outputs, strict=True):
-        assert worker.returncode == 0, stderr[-3000:]
-        all_stats.append(json.loads(stdout.strip().splitlines()[-1].removeprefix("STATS ")))
-    return all_stats
+__all__ = [
+    "WORKER",
+    "achieved_rate",
+    "assert_paced",
+    "async_test",
+    "crawl_settings",
+    "finish_crawl_workers",
+    "run_crawl",
+    "start_crawl_workers",
+    "wait_until",
+]

@@ -73,7 +73,6 @@ def test_defaults() -> None:
     assert cfg.redis_url == "redis://localhost:6379/0"
     assert cfg.redis_params == DEFAULT_REDIS_PARAMS
     assert cfg.key_prefix == "redis_throttle"
-    assert cfg.max_connections == 32
     assert (cfg.on_redis_error, cfg.fallback_workers, cfg.probe_interval) == ("local", 1, 5.0)
 
 
@@ -147,11 +146,9 @@ def test_settings_from_the_command_line_are_strings() -> None:
         REDIS_THROTTLE_RATES='{"shop.example": {"rate": "2/s", "burst": 4}}',
         REDIS_THROTTLE_DEFAULT_RATE="3",
         REDIS_THROTTLE_DEFAULT_BURST="2",
-        REDIS_THROTTLE_MAX_CONNECTIONS="8",
     )
     assert cfg.limits.lookup("shop.example") == Limit(2, 4, "2/s")
     assert str(cfg.limits.lookup("other.example")) == "3/s (burst 2)"
-    assert cfg.max_connections == 8
 
 
 def test_describe_lists_effective_limits() -> None:
@@ -181,7 +178,6 @@ def test_describe_lists_effective_limits() -> None:
         ({"REDIS_THROTTLE_RATES": {"http://a.example/": "1/s"}}, "invalid domain pattern"),
         ({"REDIS_THROTTLE_KEY_PREFIX": ""}, "REDIS_THROTTLE_KEY_PREFIX must be a non-empty string"),
         ({"REDIS_THROTTLE_KEY_PREFIX": "a{b"}, "REDIS_THROTTLE_KEY_PREFIX must be a non-empty string without"),
-        ({"REDIS_THROTTLE_MAX_CONNECTIONS": 0}, "REDIS_THROTTLE_MAX_CONNECTIONS: the value must be an integer >= 1, got 0"),
         ({"REDIS_THROTTLE_URL": "http://localhost"}, "REDIS_THROTTLE_URL must be a redis://, rediss:// or unix:// URL, got 'http://localhost'"),
         ({"REDIS_URL": "localhost:6379"}, "REDIS_URL must be a redis://"),
         ({"REDIS_THROTTLE_PARAMS": "[1]"}, "REDIS_THROTTLE_PARAMS must be a dict"),
@@ -246,7 +242,7 @@ def test_redis_connection_follows_scrapy_redis_settings() -> None:
     [
         ({"REDIS_THROTTLE_PARAMS": {"socket_timout": 1}}, "REDIS_THROTTLE_PARAMS: unknown redis-py connection parameter 'socket_timout'"),
         ({"REDIS_PARAMS": {"socket_timout": 1}}, "REDIS_PARAMS: unknown redis-py connection parameter 'socket_timout'"),
-        ({"REDIS_THROTTLE_PARAMS": {"max_connections": 5}}, "'max_connections' is set by the throttle itself \\(use REDIS_THROTTLE_MAX_CONNECTIONS\\)"),
+        ({"REDIS_THROTTLE_PARAMS": {"max_connections": 5}}, "'max_connections' is set by the throttle itself \\(each script has one connection, pipelined\\)"),
         ({"REDIS_THROTTLE_PARAMS": {"retry": None}}, "'retry' is set by the throttle itself"),
         ({"REDIS_THROTTLE_PARAMS": {"host": "h"}}, "unknown redis-py connection parameter 'host' \\(host, port and db go in the URL\\)"),
     ],

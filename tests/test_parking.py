@@ -97,7 +97,7 @@ async def test_redis_parked_requests_survive_the_close_for_the_next_run(
         )
         # As if the next run started a minute later: they are due, their reservations passed.
         client.zadd("url_list:requests:parked", dict.fromkeys(members, 0))
-        client.delete(f"redis_throttle:{{{SLOW}}}:bucket")
+        client.delete(f"redis_throttle:{{{SLOW}}}")
 
     crawler = await run_crawl(settings, [], redis_throttle_rates={SLOW: "2/s"})
     assert sorted(a.path for a in site.arrivals(SLOW)) == [f"/page/{n}" for n in range(3)]
@@ -143,7 +143,7 @@ async def test_jobdir_keeps_parked_requests_for_the_next_run(
     assert len(site.arrivals(SLOW)) == 1
     assert "redis_throttle/parked_not_crawled" not in first.stats.get_stats()
     with redis_server.client() as client:  # as if the next run started a minute later
-        client.delete(f"redis_throttle:{{{SLOW}}}:bucket")
+        client.delete(f"redis_throttle:{{{SLOW}}}")
 
     await run_crawl(settings, [], redis_throttle_rates={SLOW: "2/s"})
     assert sorted(a.path for a in site.arrivals(SLOW)) == [f"/page/{n}" for n in range(3)]

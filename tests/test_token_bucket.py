@@ -16,10 +16,21 @@ import redis
 from local_redis import RedisServer
 from support import async_test, wait_until
 
-from scrapy_redis_throttle.bucket import TokenBucket, bucket_key, load_script, script_args
+from scrapy_redis_throttle.bucket import (
+    AcquireResult,
+    TokenBucket,
+    bucket_key,
+    parse_reply,
+    script_args,
+)
 from scrapy_redis_throttle.config import Limit
+from scrapy_redis_throttle.scripts import load_script
 
-KEY = "test:{example.com}:bucket"
+KEY = "test:{example.com}"
+
+
+def _ms(result: AcquireResult) -> tuple[float, float]:
+    return result.retry_after * 1000, result.reset_after * 1000
 
 
 class Bucket:
@@ -32,16 +43,17 @@ class Bucket:
     def call(
         self, rate: float, burst: int, cost: float = 1, key: str = KEY
     ) -> tuple[bool, float, float, float]:
-        reply = self.script(keys=[key], args=script_args(Limit(rate, burst, "test"), cost))
-        allowed, tokens, retry_ms, reset_ms = reply
-        return int(allowed) == 1, float(tokens), float(retry_ms), float(reset_ms)
+        limit = Limit(rate, burst, "test")
+        result = parse_reply(self.script(keys=[key], args=script_args(limit, cost)), limit)
+        return result.allowed, result.tokens_left, *_ms(result)
 
     def reserve(
         self, rate: float, burst: int, ahead: float, cost: float = 1
     ) -> tuple[int, float, float, float]:
-        reply = self.script(keys=[KEY], args=script_args(Limit(rate, burst, "test"), cost, ahead))
-        status, tokens, retry_ms, reset_ms = reply
-        return int(status), float(tokens), float(retry_ms), float(reset_ms)
+        limit = Limit(rate, burst, "test")
+        result = parse_reply(self.script(keys=[KEY], args=script_args(limit, cost, ahead)), limit)
+        status = 1 if result.allowed else 2 if result.reserved else 0
+        return status, result.tokens_left, *_ms(result)
 
     def call_raw(self, *args: Any) -> Any:
         return self.script(keys=[KEY], args=list(args))
@@ -99,8 +111,8 @@ def test_rates_below_one_per_second(bucket: Bucket) -> None:
     allowed, _, retry_ms, _ = bucket.call(rate=0.1, burst=1)
     assert not allowed
     assert 9_000 < retry_ms <= 10_000
-    assert bucket.call(rate=1 / 3600, burst=1, key="test:{hourly}:bucket")[0]  # "1/h"
-    allowed, _, retry_ms, reset_ms = bucket.call(rate=1 / 3600, burst=1, key="test:{hourly}:bucket")
+    assert bucket.call(rate=1 / 3600, burst=1, key="test:{hourly}")[0]  # "1/h"
+    allowed, _, retry_ms, reset_ms = bucket.call(rate=1 / 3600, burst=1, key="test:{hourly}")
     assert not allowed
     assert 3_599_000 < retry_ms <= 3_600_000
     assert 3_599_000 < reset_ms <= 3_600_000
@@ -159,14 +171,14 @@ def test_busy_for_counts_tokens_taken_elsewhere(bucket: Bucket) -> None:
     busy: the shared bucket is empty until then, even if Redis lost or never had the key."""
     limit = Limit(10, 1, "test")
     started = time.monotonic()
-    status, _, retry_ms, _ = bucket.script(keys=[KEY], args=script_args(limit, 1, 2.0, 0.5))
+    status, retry_us, _ = bucket.script(keys=[KEY], args=script_args(limit, 1, 2.0, 0.5))
     elapsed = time.monotonic() - started
-    assert int(status) == 2
-    assert 500 - 1000 * elapsed <= float(retry_ms) <= 500
+    assert status == 2
+    assert 500_000 - 1e6 * elapsed <= retry_us <= 500_000
     # Never earlier than what the bucket already holds.
-    status, _, retry_ms, _ = bucket.script(keys=[KEY], args=script_args(limit, 1, 2.0, 0.1))
-    assert int(status) == 2
-    assert 600 - 1000 * (time.monotonic() - started) <= float(retry_ms) <= 600
+    status, retry_us, _ = bucket.script(keys=[KEY], args=script_args(limit, 1, 2.0, 0.1))
+    assert status == 2
+    assert 600_000 - 1e6 * (time.monotonic() - started) <= retry_us <= 600_000
     with pytest.raises(redis.ResponseError, match="busy_for must be a finite number >= 0"):
         bucket.call_raw("1000", "1", "1", "0", "-1")
 
@@ -192,7 +204,7 @@ def test_keys_of_untrusted_domains_are_bounded_and_keep_one_hash_tag(
     domain: str, plain: bool
 ) -> None:
     key = bucket_key("redis_throttle", domain)
-    tag = key.removeprefix("redis_throttle:{").removesuffix("}:bucket")
+    tag = key.removeprefix("redis_throttle:{").removesuffix("}")
     assert "{" not in tag
     assert "}" not in tag
     assert len(tag) <= 200
@@ -216,9 +228,9 @@ async def test_hostile_domains_touch_only_their_own_key(redis_server: RedisServe
     from redis.asyncio import Redis
 
     client = Redis.from_url(redis_server.url)
+    bucket = TokenBucket(client, key_prefix="ns")
     try:
         await client.set("victim", "intact")
-        bucket = TokenBucket(client, key_prefix="ns")
         limit = Limit(rate=1, burst=1, text="1/s")
         hostile = ["]]..redis.call('FLUSHALL')..[[", "x}:bucket", "{victim}", "victim"]
         for domain in hostile:
@@ -230,6 +242,7 @@ async def test_hostile_domains_touch_only_their_own_key(redis_server: RedisServe
         keys = sorted(await client.keys("*"))
         assert keys == sorted([b"victim", *(bucket_key("ns", d).encode() for d in hostile)])
     finally:
+        await bucket.aclose()
         await client.aclose()
 
 
@@ -266,8 +279,8 @@ async def test_token_bucket_client(redis_server: RedisServer) -> None:
     from redis.asyncio import Redis
 
     client = Redis.from_url(redis_server.url)
+    bucket = TokenBucket(client, key_prefix="ns")
     try:
-        bucket = TokenBucket(client, key_prefix="ns")
         limit = Limit(rate=2, burst=2, text="2/s")
         first = await bucket.acquire("shop.example", limit)
         assert first.allowed
@@ -278,6 +291,7 @@ async def test_token_bucket_client(redis_server: RedisServer) -> None:
         assert not third.allowed
         assert 0.4 < third.retry_after <= 0.5
         assert await client.exists(bucket_key("ns", "shop.example")) == 1
-        assert await client.keys("*") == [b"ns:{shop.example}:bucket"]
+        assert await client.keys("*") == [b"ns:{shop.example}"]
     finally:
+        await bucket.aclose()
         await client.aclose()
