@@ -1,26 +1,34 @@
 """What the throttle costs a crawl when its limits do not bind, side by side in one run.
 
-One Scrapy process crawls a fast local site (``fast_site.py``, its own process, never the
-bottleneck) of several domains, with limits far above what it can reach, in three set-ups:
+A Scrapy process crawls a fast local site (``fast_site.py``, its own process, never the
+bottleneck) of several domains, with limits far above what it can reach, in two set-ups: Redis
+on loopback, and Redis behind a TCP proxy that holds every byte back ``--latency`` seconds each
+way (1 ms: a 2 ms round trip, like a Redis in another zone: the reactor must not wait for it).
 
-* without the middleware;
-* with it, Redis on loopback;
-* with it, Redis behind a TCP proxy that holds every byte back ``--latency`` seconds each way
-  (1 ms: a 2 ms round trip, like a Redis in another zone): the reactor must not wait for it.
+This machine's speed drifts by 10-50% from one second to the next, and whole crawls run one
+after the other are not comparable: the ratios of 16 rounds of separate crawls with and without
+the middleware spread from 0.6 to 1.6, and their medians went from 0.81 to 1.00 from one run to
+the next. So within each crawl the middleware is switched on and off in turns, every
+``--chunk`` requests (``alternating_middleware.py``): an "off" request goes on at once, as if
+the middleware were not there. Each "on" chunk's requests per second are compared with those of
+the "off" chunks just before and after it, a second or so apart; the ratio is the median of
+these. The table also shows the medians of the chunks' requests per second and of the
+crawler's CPU per request, and the throttle's Redis calls per throttled request (its stats).
+Every other crawl starts with an "on" chunk; the first two chunks of a crawl (start-up) are left
+out.
 
-Each round runs the three set-ups one after the other (every other round in reverse order); the
-table shows the medians over the rounds of pages/s (from the first response to the last), of the
-crawler's CPU per page (both from the first response to the last, so that start-up and imports
-are left out), and of the throttle's Redis calls per page (its ``redis_calls`` stat).
-The ratio is each round's pages/s over that round's without the middleware: this machine's speed
-drifts by more than 10% between rounds, so only set-ups run side by side are compared.
+On Linux with two or more CPUs, the crawler has one CPU to itself, and the site, Redis and the
+proxy share the others: as in production, where Redis and the sites run on other machines, what
+the crawler pays is not mixed with what they pay.
 
-Run: ``./run bench crawl_overhead`` (about 4 minutes; ``--pages``, ``--rounds``, ``--latency``).
+Run: ``./run bench crawl_overhead`` (about 3 minutes; ``--pages``, ``--chunk``, ``--rounds``,
+``--latency``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -70,90 +78,120 @@ class FastSite:
         self.process.wait()
 
 
-def crawl(urls: list[str], throttle_url: str | None) -> dict[str, Any]:
-    """One crawl in a new process; returns its stats."""
-    settings = dict(SETTINGS)
-    if throttle_url is not None:
-        settings |= {
-            "DOWNLOADER_MIDDLEWARES": {"scrapy_redis_throttle.RedisThrottleMiddleware": 950},
-            "REDIS_THROTTLE_URL": throttle_url,
-            "REDIS_THROTTLE_DEFAULT_RATE": NEVER_BINDS,
-            "REDIS_THROTTLE_DEFAULT_BURST": NEVER_BINDS,
-        }
+def crawler_cpus() -> set[int] | None:
+    """The crawler's CPU, when it can have one to itself (see the module's docstring)."""
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+        return None
+    return {min(os.sched_getaffinity(0))}
+
+
+CRAWLER_CPUS = crawler_cpus()
+WARM_UP_CHUNKS = 2
+
+
+def crawl(urls: list[str], throttle_url: str, chunk: int, first_on: bool) -> dict[str, Any]:
+    """One crawl in a new process, the throttle (its Redis at *throttle_url*) switched on and
+    off every *chunk* requests; returns its stats."""
+    settings = SETTINGS | {
+        "DOWNLOADER_MIDDLEWARES": {"alternating_middleware.AlternatingThrottleMiddleware": 950},
+        "BENCH_CHUNK": chunk,
+        "BENCH_FIRST_ON": first_on,
+        "REDIS_THROTTLE_URL": throttle_url,
+        "REDIS_THROTTLE_DEFAULT_RATE": NEVER_BINDS,
+        "REDIS_THROTTLE_DEFAULT_BURST": NEVER_BINDS,
+    }
     worker = start_crawl_worker({"settings": settings, "requests": [{"url": u} for u in urls]})
+    if CRAWLER_CPUS is not None:  # before its crawl starts: it is still importing Scrapy
+        os.sched_setaffinity(worker.pid, CRAWLER_CPUS)
     [stats] = finish_crawl_workers([worker], timeout=600)
     assert stats.get("test/responses") == len(urls), f"not every page came back: {stats}"
     return stats
 
 
-async def measure(pages: int, rounds: int, latency: float) -> list[dict[str, Any]]:
+def on_off_ratios(chunks: list[list[Any]]) -> list[float]:
+    """Each "on" chunk's requests per second over the mean of its "off" neighbours'."""
+    ratios = []
+    for n, (on, _, rate) in enumerate(chunks):
+        neighbours = [c[2] for c in chunks[max(n - 1, 0) : n + 2 : 2] if not c[0]]
+        if on and neighbours:
+            ratios.append(rate / statistics.mean(neighbours))
+    return ratios
+
+
+def row(name: str, chunks: list[list[Any]], ratios: list[float], calls: float) -> dict[str, Any]:
+    result: dict[str, Any] = {
+        "setup": name,
+        "requests_per_s": round(statistics.median(c[2] for c in chunks), 1),
+        "cpu_us_per_request": round(statistics.median(c[1] for c in chunks)),
+        "redis_calls_per_request": round(calls, 3),
+        "vs_without": round(statistics.median(ratios), 3),
+        "vs_without_quartiles": [round(q, 3) for q in statistics.quantiles(ratios, n=4)],
+        "chunks": len(chunks),
+    }
+    low, _, high = result["vs_without_quartiles"]
+    print(
+        f"{name:<28} {result['requests_per_s']:>10.0f} {result['vs_without']:>7.3f}x "
+        f"{low:>6.2f}-{high:<5.2f} {result['cpu_us_per_request']:>11} "
+        f"{result['redis_calls_per_request']:>15.3f} {result['chunks']:>7}"
+    )
+    return result
+
+
+async def measure(pages: int, chunk: int, rounds: int, latency: float) -> list[dict[str, Any]]:
+    if CRAWLER_CPUS is not None:  # inherited by the site and Redis, and the proxy's threads
+        os.sched_setaffinity(0, os.sched_getaffinity(0) - CRAWLER_CPUS)
     site = FastSite(HOSTS)
     with RedisServer() as redis_server, TcpProxy(redis_server.port) as proxy:
         proxy.latency = latency
         urls = [f"http://{HOSTS[n % len(HOSTS)]}:{site.port}/page/{n}" for n in range(pages)]
         setups = {
-            WITHOUT: None,
             "with it, Redis on loopback": redis_server.url,
             f"with it, Redis {2 * latency * 1000:g} ms away": proxy.url,
         }
+        off: list[list[Any]] = []
+        on: dict[str, list[list[Any]]] = {name: [] for name in setups}
+        ratios: dict[str, list[float]] = {name: [] for name in setups}
+        calls: dict[str, list[float]] = {name: [] for name in setups}
         try:
-            crawl(urls[:200], None)  # warm up: imports, page cache
-            samples: dict[str, list[dict[str, float]]] = {name: [] for name in setups}
             for round_number in range(rounds):
-                # Every other round backwards, so that a drift of the machine's speed during a
-                # round favours no set-up.
-                order = list(setups.items())[:: 1 if round_number % 2 == 0 else -1]
-                for name, url in order:
-                    stats = crawl(urls, url)
-                    samples[name].append(
-                        {
-                            "pages_per_s": (pages - 1) / stats["worker/download_seconds"],
-                            "cpu_us_per_page": stats["worker/download_cpu_seconds"]
-                            / (pages - 1)
-                            * 1e6,
-                            "redis_calls_per_page": stats.get("redis_throttle/redis_calls", 0)
-                            / pages,
-                        }
+                for name, url in setups.items():
+                    stats = crawl(urls, url, chunk, first_on=round_number % 2 == 0)
+                    chunks = stats["bench/chunks"][WARM_UP_CHUNKS:]
+                    off += [c for c in chunks if not c[0]]
+                    on[name] += [c for c in chunks if c[0]]
+                    ratios[name] += on_off_ratios(chunks)
+                    calls[name].append(
+                        stats["redis_throttle/redis_calls"] / stats["redis_throttle/requests"]
                     )
         finally:
             site.close()
-    rows = []
-    for name, runs in samples.items():
-        # Each round's own ratio (the set-ups of one round ran side by side), then the median.
-        ratios = [
-            run["pages_per_s"] / without["pages_per_s"]
-            for run, without in zip(runs, samples[WITHOUT], strict=True)
-        ]
-        row: dict[str, Any] = {
-            "setup": name,
-            **{key: round(statistics.median(r[key] for r in runs), 2) for key in runs[0]},
-            "vs_without": round(statistics.median(ratios), 3),
-            "vs_without_runs": [round(ratio, 2) for ratio in ratios],
-        }
-        print(
-            f"{name:<28} {row['pages_per_s']:>8.0f} {row['vs_without']:>7.2f}x "
-            f"{row['cpu_us_per_page']:>11.0f} {row['redis_calls_per_page']:>16.2f}   "
-            f"{' '.join(f'{ratio:.2f}' for ratio in row['vs_without_runs'])}"
-        )
-        rows.append(row)
-    return rows
+    return [
+        row(WITHOUT, off, [1.0, 1.0], 0.0),
+        *(row(name, on[name], ratios[name], statistics.mean(calls[name])) for name in setups),
+    ]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--pages", type=int, default=1500, help="pages per crawl")
-    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--pages", type=int, default=6000, help="pages per crawl")
+    parser.add_argument("--chunk", type=int, default=200, help="requests per on or off chunk")
+    parser.add_argument("--rounds", type=int, default=4, help="crawls per set-up")
     parser.add_argument("--latency", type=float, default=0.001, help="seconds, each way")
     args = parser.parse_args()
+    # The crawlers import alternating_middleware from here.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])
+    )
     run_benchmark(
         "crawl_overhead",
-        f"{'setup':<28} {'pages/s':>8} {'ratio':>8} {'CPU µs/page':>11} {'Redis calls/page':>16}"
-        "   ratio in each round",
-        lambda: measure(args.pages, args.rounds, args.latency),
-        f"{args.pages} pages over {len(HOSTS)} domains, CONCURRENT_REQUESTS 32 (8 per domain), "
-        f"limits of {NEVER_BINDS:,}/s;\nratio: pages/s over those without the middleware in the "
-        "same round; CPU: the crawler process's, per page.\nMedians of the rounds; each "
-        "round's ratio last.",
+        f"{'setup':<28} {'requests/s':>10} {'ratio':>8} {'quartiles':>11} {'CPU µs/req':>11} "
+        f"{'Redis calls/req':>15} {'chunks':>7}",
+        lambda: measure(args.pages, args.chunk, args.rounds, args.latency),
+        f"{args.rounds} crawls per set-up of {args.pages} pages over {len(HOSTS)} domains, "
+        f"CONCURRENT_REQUESTS 32 (8 per domain), limits of {NEVER_BINDS:,}/s, the middleware\n"
+        f"on and off every {args.chunk} requests. ratio: an on chunk's requests/s over its off "
+        "neighbours', median (and quartiles)\nof all; requests/s and CPU (the crawler "
+        "process's): medians of the chunks.",
     )
 
 
