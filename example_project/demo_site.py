@@ -50,13 +50,18 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         arrived = time.monotonic(), time.time()
-        status, body = self._page()
+        robots = self.server.site.robots.get(self.server.host)
+        if self.path == "/robots.txt" and robots is not None:
+            status, body, content_type = 200, robots, "text/plain"
+        else:
+            status, body = self._page()
+            content_type = "text/html"
         self.server.site.record(
             Arrival(arrived[0], arrived[1], self.server.host, self.path, status)
         )
         data = body.encode()
         self.send_response(status)
-        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.send_header("Content-Type", f"{content_type}; charset=utf-8")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -92,7 +97,8 @@ class _HostServer(ThreadingHTTPServer):
 class DemoSite:
     """Serve linked pages on each of *hosts*, all on one port (0 picks a free one).
 
-    *pages* is the number of pages of every host, or a dict giving each host's.
+    *pages* is the number of pages of every host, or a dict giving each host's. *robots* gives
+    the robots.txt of some hosts (the others answer 404, which Scrapy takes as "allow all").
     """
 
     def __init__(
@@ -101,8 +107,10 @@ class DemoSite:
         port: int = 0,
         pages: int | Mapping[str, int] = 20,
         log: IO[str] | None = None,
+        robots: Mapping[str, str] | None = None,
     ) -> None:
         self.hosts = hosts
+        self.robots = dict(robots or {})
         self.pages = dict(pages) if isinstance(pages, Mapping) else dict.fromkeys(hosts, pages)
         self._log = log
         self._lock = threading.Lock()

@@ -30,6 +30,8 @@ DEFAULT_KEY_PREFIX = "redis_throttle"
 DEFAULT_MAX_HOLD = 1.0
 DEFAULT_MAX_RESERVE = 300.0
 DEFAULT_PROBE_INTERVAL = 5.0
+# Nutch and StormCrawler cap the Crawl-delay they honour at 30 s too.
+DEFAULT_MAX_CRAWL_DELAY = 30.0
 DEFAULT_FALLBACK_WORKERS = 1
 # REDIS_THROTTLE_ON_REDIS_ERROR: what requests do while Redis fails (see resilience.py).
 FALLBACK_LOCAL = "local"
@@ -253,6 +255,10 @@ class ThrottleConfig:
     """The ``"local"`` policy paces each domain at its rate divided by this."""
     probe_interval: float
     """Longest time between two probes of a failed Redis."""
+    crawl_delay: bool
+    """Honour robots.txt ``Crawl-delay`` (when ``ROBOTSTXT_OBEY`` is on)."""
+    max_crawl_delay: float
+    """Longest ``Crawl-delay`` honoured; longer ones are taken as this."""
 
     @classmethod
     def from_crawler(cls, crawler: Crawler) -> ThrottleConfig:
@@ -265,7 +271,7 @@ class ThrottleConfig:
 
     @classmethod
     def from_settings(cls, settings: BaseSettings, spider_rates: object = None) -> ThrottleConfig:
-        if not settings.getbool("REDIS_THROTTLE_ENABLED", True):
+        if not _flag(settings, "REDIS_THROTTLE_ENABLED", default=True):
             raise NotConfigured("REDIS_THROTTLE_ENABLED is False")
 
         default_burst = parse_burst(
@@ -314,6 +320,10 @@ class ThrottleConfig:
             max_reserve=_seconds(
                 settings, "REDIS_THROTTLE_MAX_RESERVE", DEFAULT_MAX_RESERVE, minimum=1
             ),
+            crawl_delay=_flag(settings, "REDIS_THROTTLE_CRAWL_DELAY_ENABLED", default=True),
+            max_crawl_delay=_seconds(
+                settings, "REDIS_THROTTLE_MAX_CRAWL_DELAY", DEFAULT_MAX_CRAWL_DELAY, minimum=0.001
+            ),
             limits=_build_table(entries, default, default_burst),
             redis_url=_redis_url(settings),
             redis_params=_redis_params(settings),
@@ -332,6 +342,15 @@ def _seconds(settings: BaseSettings, name: str, default: float, minimum: float) 
             f"{name} must be a number of seconds >= {minimum:g}, got {value!r}"
         )
     return seconds
+
+
+def _flag(settings: BaseSettings, name: str, *, default: bool) -> bool:
+    try:
+        return settings.getbool(name, default)
+    except ValueError as exc:  # Scrapy's message does not name the setting
+        raise ThrottleConfigError(
+            f"{name} must be True or False (or 1, 0, 'true', 'false'), got {settings[name]!r}"
+        ) from exc
 
 
 def _get(settings: BaseSettings, name: str, default: object) -> Any:

@@ -13,6 +13,8 @@ Settings (see README.md for the full reference):
 * ``REDIS_THROTTLE_ON_REDIS_ERROR``, ``REDIS_THROTTLE_FALLBACK_WORKERS``,
   ``REDIS_THROTTLE_PROBE_INTERVAL`` - what happens while Redis fails (see
   :mod:`scrapy_redis_throttle.resilience`)
+* ``REDIS_THROTTLE_CRAWL_DELAY_ENABLED``, ``REDIS_THROTTLE_MAX_CRAWL_DELAY`` - robots.txt
+  ``Crawl-delay`` as a host's limit (see :mod:`scrapy_redis_throttle.crawl_delay`)
 * ``REDIS_THROTTLE_KEY_PREFIX``
 
 Request meta keys: ``dont_redis_throttle``, ``redis_throttle_key``, ``redis_throttle_cost``.
@@ -32,6 +34,7 @@ from scrapy.utils.misc import load_object
 
 from .config import InvalidThrottleMeta, ThrottleConfig, ThrottleConfigError, redact_url
 from .connection import connect
+from .crawl_delay import CrawlDelays
 from .resilience import STATS_PREFIX, ResilientBucket, sleep
 from .scheduler import PARK_META, RELEASE_AHEAD, RELEASE_META, ParkingScheduler
 
@@ -64,6 +67,7 @@ class RedisThrottleMiddleware:
         self.redis = connect(self.config)
         self.budget = ResilientBucket(self.redis, self.config, crawler.stats, self._log_extra)
         self.parking = issubclass(load_object(crawler.settings["SCHEDULER"]), ParkingScheduler)
+        self.crawl_delays = CrawlDelays(crawler, self.config, self._log_extra)
         crawler.signals.connect(self._spider_opened, signal=signals.spider_opened)
         crawler.signals.connect(self._spider_closed, signal=signals.spider_closed)
 
@@ -84,6 +88,9 @@ class RedisThrottleMiddleware:
             "\n  ".join(self.config.limits.describe()),
             extra={"spider": spider},
         )
+        crawl_delay = self.crawl_delays.describe()
+        if crawl_delay is not None:
+            logger.info("Redis throttle: %s", crawl_delay, extra={"spider": spider})
         await self.budget.check()
 
     async def _spider_closed(self, spider: Spider) -> None:
@@ -99,7 +106,8 @@ class RedisThrottleMiddleware:
             stats.inc_value(f"{STATS_PREFIX}/skipped")
             return None
         key = self._key(request)
-        limit = self.config.limits.lookup(key) if key else None  # "": data: or file: URLs
+        # "": data: or file: URLs
+        limit = self.crawl_delays.limit(key, self.config.limits.lookup(key)) if key else None
         if limit is None:
             stats.inc_value(f"{STATS_PREFIX}/unthrottled")
             return None

@@ -15,6 +15,7 @@ from spiders import BASE_SETTINGS, UrlListSpider
 from twisted.internet.defer import Deferred
 
 if TYPE_CHECKING:
+    from demo_site import DemoSite
     from scrapy.crawler import Crawler
 
 
@@ -60,6 +61,15 @@ def achieved_rate(times: list[float], burst: int) -> float:
     return (len(times) - burst) / (times[-1] - times[0])
 
 
+def pages(
+    site: DemoSite, host: str, count: int, first: int = 0, **meta: Any
+) -> list[dict[str, Any]]:
+    """Requests (for :class:`spiders.UrlListSpider`) of *count* pages of *host* from *first*."""
+    return [
+        {"url": site.url(host, f"/page/{n}"), "meta": meta} for n in range(first, first + count)
+    ]
+
+
 def crawl_settings(redis_url: str, **overrides: Any) -> dict[str, Any]:
     return {**BASE_SETTINGS, "REDIS_URL": redis_url, **overrides}
 
@@ -81,6 +91,7 @@ __all__ = [
     "async_test",
     "crawl_settings",
     "finish_crawl_workers",
+    "pages",
     "run_crawl",
     "start_crawl_workers",
     "wait_until",

@@ -74,6 +74,7 @@ def test_defaults() -> None:
     assert cfg.redis_params == DEFAULT_REDIS_PARAMS
     assert cfg.key_prefix == "redis_throttle"
     assert (cfg.on_redis_error, cfg.fallback_workers, cfg.probe_interval) == ("local", 1, 5.0)
+    assert (cfg.crawl_delay, cfg.max_crawl_delay) == (True, 30.0)
 
 
 def test_parking_uses_scrapy_redis_own_connection() -> None:
@@ -186,6 +187,9 @@ def test_describe_lists_effective_limits() -> None:
         ({"REDIS_THROTTLE_FALLBACK_WORKERS": 0}, "REDIS_THROTTLE_FALLBACK_WORKERS: the number of workers must be an integer >= 1, got 0"),
         ({"REDIS_THROTTLE_FALLBACK_WORKERS": "many"}, "REDIS_THROTTLE_FALLBACK_WORKERS: the number of workers must be an integer >= 1, got 'many'"),
         ({"REDIS_THROTTLE_PROBE_INTERVAL": 0}, "REDIS_THROTTLE_PROBE_INTERVAL must be a number of seconds >= 0.1, got 0"),
+        ({"REDIS_THROTTLE_MAX_CRAWL_DELAY": 0}, "REDIS_THROTTLE_MAX_CRAWL_DELAY must be a number of seconds >= 0.001, got 0"),
+        ({"REDIS_THROTTLE_CRAWL_DELAY_ENABLED": "maybe"}, "REDIS_THROTTLE_CRAWL_DELAY_ENABLED must be True or False \\(or 1, 0, 'true', 'false'\\), got 'maybe'"),
+        ({"REDIS_THROTTLE_ENABLED": "perhaps"}, "REDIS_THROTTLE_ENABLED must be True or False"),
         ({"REDIS_THROTTLE_MAX_HOLD": float("nan")}, "REDIS_THROTTLE_MAX_HOLD must be a number of seconds >= 0, got nan"),
         ({"REDIS_THROTTLE_MAX_RESERVE": "soon"}, "REDIS_THROTTLE_MAX_RESERVE must be a number of seconds >= 1, got 'soon'"),
     ],

@@ -30,6 +30,7 @@ from support import (
     async_test,
     crawl_settings,
     finish_crawl_workers,
+    pages,
     run_crawl,
     start_crawl_workers,
 )
@@ -37,14 +38,6 @@ from support import (
 from scrapy_redis_throttle import Addon, RedisThrottleMiddleware, ThrottleConfigError
 
 A, B, C = HOSTS
-
-
-def pages(
-    site: DemoSite, host: str, count: int, first: int = 0, **meta: Any
-) -> list[dict[str, Any]]:
-    return [
-        {"url": site.url(host, f"/page/{n}"), "meta": meta} for n in range(first, first + count)
-    ]
 
 
 def times(site: DemoSite, host: str) -> list[float]:

@@ -4,6 +4,9 @@ import os
 
 BOT_NAME = "shop"
 SPIDER_MODULES = ["shop.spiders"]
+# With ROBOTSTXT_OBEY = True, a robots.txt Crawl-delay becomes its host's shared limit when it is
+# stricter than the configured one (REDIS_THROTTLE_CRAWL_DELAY_ENABLED, on by default, and
+# REDIS_THROTTLE_MAX_CRAWL_DELAY, 30 s). The demo site has no robots.txt: the demo leaves it off.
 ROBOTSTXT_OBEY = False
 
 # scrapy-redis: every worker pulls from, and adds to, one shared frontier in Redis. This

@@ -1,0 +1,121 @@
+"""robots.txt ``Crawl-delay`` as a host's shared limit.
+
+With ``ROBOTSTXT_OBEY``, Scrapy's RobotsTxtMiddleware fetches each host's robots.txt before any
+other request to it, and (Scrapy 2.18+) sends the ``robots_parsed`` signal. A ``Crawl-delay``
+for our user agent then becomes that host's limit, one request per delay (burst 1), unless the
+configured limit is already stricter. Every worker reads the same robots.txt, and their requests
+take from the same bucket in Redis: the delay holds for the whole fleet.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from scrapy import signals
+from scrapy.utils.httpobj import urlparse_cached
+
+from .config import Limit
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from scrapy import Request
+    from scrapy.crawler import Crawler
+
+    from .config import ThrottleConfig
+
+logger = logging.getLogger(__name__)
+
+STATS_PREFIX = "redis_throttle/crawl_delay"
+
+
+def with_crawl_delay(configured: Limit | None, delay: float) -> Limit:
+    """The limit of a host whose robots.txt asks for *delay* seconds between requests: at most
+    one request per *delay*, and never faster than *configured* (``None``: unlimited)."""
+    if configured is not None and configured.rate <= 1 / delay:
+        return Limit(configured.rate, 1, f"{configured.text} (Crawl-delay {delay:g} s)")
+    return Limit(1 / delay, 1, f"1/{delay:g}s (Crawl-delay)")
+
+
+class CrawlDelays:
+    """The hosts whose robots.txt set a Crawl-delay, and the limit each one now has."""
+
+    def __init__(
+        self,
+        crawler: Crawler,
+        config: ThrottleConfig,
+        log_extra: Callable[[], dict[str, Any]],
+    ) -> None:
+        self._crawler = crawler
+        self._config = config
+        self._log_extra = log_extra
+        self._limits: dict[str, Limit] = {}
+        settings = crawler.settings
+        self._user_agent: str = settings.get("ROBOTSTXT_USER_AGENT") or ""
+        self._default_user_agent: str = settings.get("USER_AGENT") or ""
+        self.active = config.crawl_delay and settings.getbool("ROBOTSTXT_OBEY")
+        # Scrapy 2.18 added the signal, and RobotParser.crawl_delay().
+        self._signal = getattr(signals, "robots_parsed", None)
+        if self.active and self._signal is not None:
+            crawler.signals.connect(self._robots_parsed, signal=self._signal)
+
+    def describe(self) -> str | None:
+        """What happens to Crawl-delay, for the start-up log; None when nothing does."""
+        if not self.active:
+            return None
+        if self._signal is None:
+            return (
+                "robots.txt Crawl-delay is NOT honoured: that needs Scrapy 2.18 or newer (set "
+                "REDIS_THROTTLE_CRAWL_DELAY_ENABLED = False to silence this)"
+            )
+        return (
+            f"a robots.txt Crawl-delay (up to {self._config.max_crawl_delay:g} s, "
+            f"REDIS_THROTTLE_MAX_CRAWL_DELAY) becomes its host's limit when stricter"
+        )
+
+    def limit(self, key: str, configured: Limit | None) -> Limit | None:
+        """The limit for requests with throttle key *key*: *configured*, or a stricter one from
+        the robots.txt of the host named *key*."""
+        return self._limits.get(key, configured) if self._limits else configured
+
+    def _robots_parsed(self, robotparser: Any, request: Request) -> None:
+        host = (urlparse_cached(request).hostname or "").lower()
+        crawl_delay = getattr(robotparser, "crawl_delay", None)
+        if not host or crawl_delay is None:  # a custom ROBOTSTXT_PARSER of the older interface
+            return
+        user_agent = self._user_agent or request.headers.get(
+            b"User-Agent", self._default_user_agent
+        )
+        delay = crawl_delay(user_agent)
+        if not delay or delay <= 0:
+            return
+        stats = self._crawler.stats
+        if delay > self._config.max_crawl_delay:
+            stats.inc_value(f"{STATS_PREFIX}/capped")
+            logger.warning(
+                "Redis throttle: robots.txt of %r asks for a Crawl-delay of %g s; honouring "
+                "%g s (REDIS_THROTTLE_MAX_CRAWL_DELAY)",
+                host,
+                delay,
+                self._config.max_crawl_delay,
+                extra=self._log_extra(),
+            )
+            delay = self._config.max_crawl_delay
+        # Several ports of one host have a robots.txt each: the longest delay counts.
+        known = self._limits.get(host)
+        if known is not None and 1 / known.rate >= delay:
+            return
+        configured = self._config.limits.lookup(host)
+        limit = with_crawl_delay(configured, delay)
+        self._limits[host] = limit
+        stats.inc_value(f"{STATS_PREFIX}/applied")
+        logger.info(
+            "Redis throttle: honouring the Crawl-delay of %g s in the robots.txt of %r: its "
+            "limit is now %s (configured: %s)",
+            delay,
+            host,
+            limit,
+            configured if configured is not None else "unlimited",
+            extra=self._log_extra(),
+        )

@@ -1,0 +1,155 @@
+"""robots.txt Crawl-delay as a host's shared limit, measured where the requests arrive."""
+
+from __future__ import annotations
+
+import logging
+from itertools import pairwise
+
+import pytest
+from demo_site import HOSTS, DemoSite
+from local_redis import RedisServer
+from scrapy import signals
+from support import (
+    ARRIVAL_JITTER,
+    assert_paced,
+    async_test,
+    crawl_settings,
+    finish_crawl_workers,
+    pages,
+    run_crawl,
+    start_crawl_workers,
+)
+
+from scrapy_redis_throttle import Limit
+from scrapy_redis_throttle.crawl_delay import with_crawl_delay
+
+A, B, C = HOSTS
+HAS_ROBOTS_SIGNAL = hasattr(signals, "robots_parsed")
+needs_robots_signal = pytest.mark.skipif(
+    not HAS_ROBOTS_SIGNAL, reason="Scrapy < 2.18 has no robots_parsed signal"
+)
+
+
+def robots(delay: float) -> str:
+    return f"User-agent: *\nCrawl-delay: {delay:g}\nAllow: /\n"
+
+
+def page_times(site: DemoSite, host: str) -> list[float]:
+    """Arrival times of *host*'s pages (robots.txt left out), in order."""
+    return sorted(a.time for a in site.arrivals(host) if a.path != "/robots.txt")
+
+
+def gaps(times: list[float]) -> list[float]:
+    return [later - earlier for earlier, later in pairwise(times)]
+
+
+@pytest.mark.parametrize(
+    ("configured", "delay", "expected"),
+    [
+        (None, 2.0, Limit(0.5, 1, "")),  # unlimited: one request per delay
+        (Limit(5, 3, "5/s"), 2.0, Limit(0.5, 1, "")),  # faster than the delay: slowed down
+        (Limit(0.1, 3, "1/10s"), 2.0, Limit(0.1, 1, "")),  # stricter: its rate, burst 1
+        (Limit(0.5, 1, "1/2s"), 2.0, Limit(0.5, 1, "")),
+    ],
+)
+def test_crawl_delay_never_raises_a_stricter_limit(
+    configured: Limit | None, delay: float, expected: Limit
+) -> None:
+    assert with_crawl_delay(configured, delay) == expected
+
+
+@needs_robots_signal
+@async_test
+async def test_crawl_delay_becomes_the_hosts_limit(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="scrapy_redis_throttle")
+    # A asks for 0.5 s; B for 60 s, capped at 1 s; C has no robots.txt (404: allow all).
+    with DemoSite(HOSTS, pages=10, robots={A: robots(0.5), B: robots(60)}) as site:
+        crawler = await run_crawl(
+            crawl_settings(redis_server.url, ROBOTSTXT_OBEY=True, REDIS_THROTTLE_MAX_CRAWL_DELAY=1),
+            pages(site, A, 4) + pages(site, B, 3) + pages(site, C, 6),
+            redis_throttle_rates={A: "5/s", B: "5/s", C: "5/s"},
+        )
+        assert min(gaps(page_times(site, A))) >= 0.5 - ARRIVAL_JITTER, page_times(site, A)
+        assert min(gaps(page_times(site, B))) >= 1 - ARRIVAL_JITTER, page_times(site, B)
+        c_times = page_times(site, C)
+        assert_paced(c_times, rate=5, burst=1, what="C, configured")
+        assert min(gaps(c_times)) < 0.5, "C has no Crawl-delay: it goes at its 5/s"
+        assert {a.path for a in site.arrivals(A)} >= {"/robots.txt"}
+
+    stats = crawler.stats.get_stats()
+    assert stats["test/responses"] == 13
+    assert stats["redis_throttle/crawl_delay/applied"] == 2
+    assert stats["redis_throttle/crawl_delay/capped"] == 1
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(
+        f"Crawl-delay of 0.5 s in the robots.txt of '{A}': its limit is now 1/0.5s" in m
+        for m in messages
+    ), messages
+    assert any(f"'{B}' asks for a Crawl-delay of 60 s; honouring 1 s" in m for m in messages)
+    assert any(f"Crawl-delay of 1 s in the robots.txt of '{B}'" in m for m in messages)
+
+
+@needs_robots_signal
+@async_test
+async def test_crawl_delay_can_be_switched_off(redis_server: RedisServer) -> None:
+    with DemoSite(HOSTS, pages=10, robots={A: robots(1)}) as site:
+        crawler = await run_crawl(
+            crawl_settings(
+                redis_server.url, ROBOTSTXT_OBEY=True, REDIS_THROTTLE_CRAWL_DELAY_ENABLED=False
+            ),
+            pages(site, A, 6),
+            redis_throttle_rates={A: "5/s"},
+        )
+        times = page_times(site, A)
+    assert len(times) == 6
+    assert_paced(times, rate=5, burst=1, what="A, configured")
+    assert max(gaps(times)) < 1, "paced at its configured 5/s, not by the Crawl-delay"
+    assert "redis_throttle/crawl_delay/applied" not in crawler.stats.get_stats()
+
+
+@pytest.mark.skipif(HAS_ROBOTS_SIGNAL, reason="Scrapy 2.18+ honours Crawl-delay")
+@async_test
+async def test_old_scrapy_says_crawl_delay_is_not_honoured(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="scrapy_redis_throttle")
+    with DemoSite(HOSTS, pages=10, robots={A: robots(1)}) as site:
+        await run_crawl(
+            crawl_settings(redis_server.url, ROBOTSTXT_OBEY=True),
+            pages(site, A, 2),
+            redis_throttle_rates={A: "5/s"},
+        )
+    assert any(
+        "robots.txt Crawl-delay is NOT honoured: that needs Scrapy 2.18" in r.getMessage()
+        for r in caplog.records
+    )
+
+
+@needs_robots_signal
+def test_a_fleet_keeps_the_crawl_delay_between_all_its_requests(
+    redis_server: RedisServer,
+) -> None:
+    """Three worker processes, one host whose robots.txt asks for 2 s: its pages arrive at
+    least 2 s apart, whichever worker sent them."""
+    workers_count, pages_each = 3, 2
+    with DemoSite(HOSTS, pages=10, robots={A: robots(2)}) as site:
+        jobs = [
+            {
+                "settings": crawl_settings(redis_server.url, ROBOTSTXT_OBEY=True),
+                "requests": pages(site, A, pages_each, first=worker * pages_each),
+                "spider_attributes": {"redis_throttle_rates": {A: "5/s"}},
+            }
+            for worker in range(workers_count)
+        ]
+        all_stats = finish_crawl_workers(start_crawl_workers(redis_server.url, jobs), 90)
+        times = page_times(site, A)
+        robots_fetches = [a for a in site.arrivals(A) if a.path == "/robots.txt"]
+
+    assert len(times) == workers_count * pages_each
+    assert min(gaps(times)) >= 2 - ARRIVAL_JITTER, gaps(times)
+    assert len(robots_fetches) == workers_count, "each worker reads robots.txt once"
+    for stats in all_stats:
+        assert stats["test/responses"] == pages_each
+        assert stats["redis_throttle/crawl_delay/applied"] == 1
