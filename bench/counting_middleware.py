@@ -45,7 +45,7 @@ class CountingThrottleMiddleware(RedisThrottleMiddleware):
         counted.meta[CALLS_META] = request.meta.get(CALLS_META, 0) + calls[0]
         return result
 
-    def process_response(self, request: Request, response: Response) -> Response:
+    async def process_response(self, request: Request, response: Response) -> Response:
         calls = request.meta.get(CALLS_META, 0)
         self.stats.inc_value(f"bench/redis_calls_per_request/{calls}")
-        return response
+        return await super().process_response(request, response)

@@ -15,7 +15,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import IO, Any
@@ -51,7 +51,11 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         arrived = time.monotonic(), time.time()
         robots = self.server.site.robots.get(self.server.host)
-        if self.path == "/robots.txt" and robots is not None:
+        error = self.server.site.next_error(self.server.host, self.path)
+        headers: Mapping[str, str] = {}
+        if error is not None:
+            (status, headers), body, content_type = error, "<html>try later</html>", "text/html"
+        elif self.path == "/robots.txt" and robots is not None:
             status, body, content_type = 200, robots, "text/plain"
         else:
             status, body = self._page()
@@ -61,6 +65,8 @@ class _Handler(BaseHTTPRequestHandler):
         )
         data = body.encode()
         self.send_response(status)
+        for name, value in headers.items():
+            self.send_header(name, value)
         self.send_header("Content-Type", f"{content_type}; charset=utf-8")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -99,6 +105,8 @@ class DemoSite:
 
     *pages* is the number of pages of every host, or a dict giving each host's. *robots* gives
     the robots.txt of some hosts (the others answer 404, which Scrapy takes as "allow all").
+    *errors* gives, for some ``(host, path)``, the ``(status, headers)`` answers to the first
+    requests for it, in turn (e.g. a 429 with ``Retry-After``); later requests get the page.
     """
 
     def __init__(
@@ -108,9 +116,11 @@ class DemoSite:
         pages: int | Mapping[str, int] = 20,
         log: IO[str] | None = None,
         robots: Mapping[str, str] | None = None,
+        errors: Mapping[tuple[str, str], Sequence[tuple[int, Mapping[str, str]]]] | None = None,
     ) -> None:
         self.hosts = hosts
         self.robots = dict(robots or {})
+        self._errors = {where: list(answers) for where, answers in (errors or {}).items()}
         self.pages = dict(pages) if isinstance(pages, Mapping) else dict.fromkeys(hosts, pages)
         self._log = log
         self._lock = threading.Lock()
@@ -162,6 +172,12 @@ class DemoSite:
 
     def url(self, host: str, path: str = "/") -> str:
         return f"http://{host}:{self.port}{path}"
+
+    def next_error(self, host: str, path: str) -> tuple[int, Mapping[str, str]] | None:
+        """The error answer due for this request, if any (see *errors*)."""
+        with self._lock:
+            answers = self._errors.get((host, path))
+            return answers.pop(0) if answers else None
 
     def record(self, arrival: Arrival) -> None:
         with self._lock:

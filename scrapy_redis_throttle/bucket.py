@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from .config import Limit
+from .config import Backoff, Limit
 from .scripts import LuaScript
 
 if TYPE_CHECKING:
@@ -63,6 +63,16 @@ def bucket_key(prefix: str, domain: str) -> str:
     return _key(prefix, key_tag(domain))
 
 
+def penalty_key(prefix: str, domain: str) -> str:
+    """The domain's penalty state (see ``lua/penalty.lua``), in the same Cluster slot."""
+    return bucket_key(prefix, domain) + ":penalty"
+
+
+def penalty_channel(prefix: str) -> str:
+    """Where pauses are published, for every worker of the fleet."""
+    return f"{prefix}:penalties"
+
+
 def _key(prefix: str, tag: str) -> str:
     # No suffix: every byte of a key name is paid once per domain (a ":bucket" suffix cost 16
     # bytes of Redis memory per domain, 165 instead of 149 at 100,000: bench/scale.py). Other
@@ -84,6 +94,16 @@ def _fixed_args(limit: Limit, cost: float, reserve: float) -> tuple[bytes, ...]:
     return tuple(value.encode() for value in values)
 
 
+@dataclass(frozen=True)
+class Penalty:
+    changed: bool
+    """This call started or extended the pause (else one as long was under way)."""
+    pause: float
+    """Seconds until the pause ends."""
+    strikes: int
+    """Penalties in a row (each one after the previous pause ended)."""
+
+
 # The probe's own bucket: "#" and something other than a SHA-256 is no domain's tag.
 _PROBE_KEY_TAG = "#probe"
 
@@ -94,6 +114,7 @@ class TokenBucket:
     def __init__(self, redis: Redis, key_prefix: str) -> None:
         self._key_prefix = key_prefix
         self._script = LuaScript(redis, "token_bucket.lua")
+        self._penalty_script = LuaScript(redis, "penalty.lua")
 
     async def acquire(
         self, domain: str, limit: Limit, cost: float = 1, reserve: float = 0, busy_for: float = 0
@@ -107,8 +128,29 @@ class TokenBucket:
         )
         return parse_reply(reply, limit)
 
+    async def penalize(
+        self, domain: str, limit: Limit, retry_after: float | None, backoff: Backoff
+    ) -> Penalty:
+        """Pause *domain* for every worker: *retry_after* seconds (the site's Retry-After), or
+        by *backoff*; publish the pause on :func:`penalty_channel`."""
+        changed, pause_us, strikes = await self._penalty_script(
+            keys=[bucket_key(self._key_prefix, domain), penalty_key(self._key_prefix, domain)],
+            args=[
+                repr(limit.interval_us),
+                limit.burst,
+                repr(-1.0 if retry_after is None else retry_after * 1e6),
+                repr(backoff.first * 1e6),
+                repr(backoff.longest * 1e6),
+                repr(backoff.decay * 1e6),
+                penalty_channel(self._key_prefix),
+                domain,
+            ],
+        )
+        return Penalty(changed == 1, pause_us / 1e6, strikes)
+
     async def aclose(self) -> None:
         await self._script.aclose()
+        await self._penalty_script.aclose()
 
     async def probe(self) -> None:
         """Run the script as an acquire would, on a bucket of its own that no domain uses and

@@ -32,6 +32,10 @@ DEFAULT_MAX_RESERVE = 300.0
 DEFAULT_PROBE_INTERVAL = 5.0
 # Nutch and StormCrawler cap the Crawl-delay they honour at 30 s too.
 DEFAULT_MAX_CRAWL_DELAY = 30.0
+DEFAULT_PENALTY_HTTP_CODES = (429, 503)
+DEFAULT_PENALTY_BACKOFF = 2.0
+DEFAULT_MAX_PAUSE = 600.0
+DEFAULT_PENALTY_DECAY = 60.0
 DEFAULT_FALLBACK_WORKERS = 1
 # REDIS_THROTTLE_ON_REDIS_ERROR: what requests do while Redis fails (see resilience.py).
 FALLBACK_LOCAL = "local"
@@ -91,6 +95,18 @@ class Limit:
 
     def __str__(self) -> str:
         return f"{self.text} (burst {self.burst})"
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Pauses of a domain whose site gave no Retry-After, in seconds."""
+
+    first: float
+    """The first pause; it doubles with each penalty after the previous pause ended."""
+    longest: float
+    """The longest pause, Retry-After included."""
+    decay: float
+    """Time after a pause without a penalty that undoes one doubling."""
 
 
 def parse_rate(value: object, *, source: str) -> float:
@@ -259,6 +275,10 @@ class ThrottleConfig:
     """Honour robots.txt ``Crawl-delay`` (when ``ROBOTSTXT_OBEY`` is on)."""
     max_crawl_delay: float
     """Longest ``Crawl-delay`` honoured; longer ones are taken as this."""
+    penalty_codes: frozenset[int]
+    """Response statuses that pause their domain for the fleet (empty: none)."""
+    backoff: Backoff
+    """How long such a pause is when the response has no Retry-After, and the longest."""
 
     @classmethod
     def from_crawler(cls, crawler: Crawler) -> ThrottleConfig:
@@ -320,6 +340,16 @@ class ThrottleConfig:
             max_reserve=_seconds(
                 settings, "REDIS_THROTTLE_MAX_RESERVE", DEFAULT_MAX_RESERVE, minimum=1
             ),
+            penalty_codes=_status_codes(settings, "REDIS_THROTTLE_PENALTY_HTTP_CODES"),
+            backoff=Backoff(
+                first=_seconds(
+                    settings, "REDIS_THROTTLE_PENALTY_BACKOFF", DEFAULT_PENALTY_BACKOFF, 0.001
+                ),
+                longest=_seconds(settings, "REDIS_THROTTLE_MAX_PAUSE", DEFAULT_MAX_PAUSE, 0.001),
+                decay=_seconds(
+                    settings, "REDIS_THROTTLE_PENALTY_DECAY", DEFAULT_PENALTY_DECAY, 0.001
+                ),
+            ),
             crawl_delay=_flag(settings, "REDIS_THROTTLE_CRAWL_DELAY_ENABLED", default=True),
             max_crawl_delay=_seconds(
                 settings, "REDIS_THROTTLE_MAX_CRAWL_DELAY", DEFAULT_MAX_CRAWL_DELAY, minimum=0.001
@@ -342,6 +372,20 @@ def _seconds(settings: BaseSettings, name: str, default: float, minimum: float) 
             f"{name} must be a number of seconds >= {minimum:g}, got {value!r}"
         )
     return seconds
+
+
+def _status_codes(settings: BaseSettings, name: str) -> frozenset[int]:
+    value = _get(settings, name, DEFAULT_PENALTY_HTTP_CODES)
+    try:
+        codes = settings.getlist(name, list(DEFAULT_PENALTY_HTTP_CODES))
+        statuses = frozenset(int(code) for code in codes)
+    except (TypeError, ValueError):
+        statuses = frozenset({0})
+    if isinstance(value, (bool, int)) or not all(100 <= code <= 599 for code in statuses):
+        raise ThrottleConfigError(
+            f"{name} must be a list of HTTP status codes (100-599), got {value!r}"
+        )
+    return statuses
 
 
 def _flag(settings: BaseSettings, name: str, *, default: bool) -> bool:

@@ -13,9 +13,10 @@ if TYPE_CHECKING:
 
 
 def connect(config: ThrottleConfig) -> Redis:
-    """A client of the throttle's Redis with a pool of its own: for the start-up PING, and the
-    settings of the scripts' own connections (see :class:`.scripts.LuaScript`)."""
-    return connect_url(config.redis_url, config.redis_params, 1)
+    """A client of the throttle's Redis with a pool of its own: for the start-up PING and the
+    pause listener (:class:`.penalties.Pauses`), and the settings of the scripts' own
+    connections (see :class:`.scripts.LuaScript`)."""
+    return connect_url(config.redis_url, config.redis_params, 2)
 
 
 def connect_url(url: str, params: Mapping[str, Any], max_connections: int) -> Redis:

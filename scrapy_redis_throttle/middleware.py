@@ -13,11 +13,15 @@ Settings (see README.md for the full reference):
 * ``REDIS_THROTTLE_ON_REDIS_ERROR``, ``REDIS_THROTTLE_FALLBACK_WORKERS``,
   ``REDIS_THROTTLE_PROBE_INTERVAL`` - what happens while Redis fails (see
   :mod:`scrapy_redis_throttle.resilience`)
+* ``REDIS_THROTTLE_PENALTY_HTTP_CODES``, ``REDIS_THROTTLE_PENALTY_BACKOFF``,
+  ``REDIS_THROTTLE_MAX_PAUSE``, ``REDIS_THROTTLE_PENALTY_DECAY`` - responses that pause their
+  domain for the whole fleet (see :mod:`scrapy_redis_throttle.penalties`)
 * ``REDIS_THROTTLE_CRAWL_DELAY_ENABLED``, ``REDIS_THROTTLE_MAX_CRAWL_DELAY`` - robots.txt
   ``Crawl-delay`` as a host's limit (see :mod:`scrapy_redis_throttle.crawl_delay`)
 * ``REDIS_THROTTLE_KEY_PREFIX``
 
-Request meta keys: ``dont_redis_throttle``, ``redis_throttle_key``, ``redis_throttle_cost``.
+Request meta keys: ``dont_redis_throttle``, ``redis_throttle_key``, ``redis_throttle_cost``,
+``redis_throttle_penalty``.
 """
 
 from __future__ import annotations
@@ -32,15 +36,18 @@ from scrapy import signals
 from scrapy.utils.asyncio import is_asyncio_available
 from scrapy.utils.misc import load_object
 
+from .bucket import penalty_channel
 from .config import InvalidThrottleMeta, ThrottleConfig, ThrottleConfigError, redact_url
 from .connection import connect
 from .crawl_delay import CrawlDelays
+from .penalties import Pauses, parse_retry_after
 from .resilience import STATS_PREFIX, ResilientBucket, sleep
 from .scheduler import PARK_META, RELEASE_AHEAD, RELEASE_META, ParkingScheduler
 
 if TYPE_CHECKING:
     from scrapy import Request, Spider
     from scrapy.crawler import Crawler
+    from scrapy.http import Response
     from typing_extensions import Self
 
     from .bucket import AcquireResult
@@ -68,6 +75,9 @@ class RedisThrottleMiddleware:
         self.budget = ResilientBucket(self.redis, self.config, crawler.stats, self._log_extra)
         self.parking = issubclass(load_object(crawler.settings["SCHEDULER"]), ParkingScheduler)
         self.crawl_delays = CrawlDelays(crawler, self.config, self._log_extra)
+        self.pauses = Pauses(
+            self.redis, penalty_channel(self.config.key_prefix), crawler.stats, self._log_extra
+        )
         crawler.signals.connect(self._spider_opened, signal=signals.spider_opened)
         crawler.signals.connect(self._spider_closed, signal=signals.spider_closed)
 
@@ -92,8 +102,11 @@ class RedisThrottleMiddleware:
         if crawl_delay is not None:
             logger.info("Redis throttle: %s", crawl_delay, extra={"spider": spider})
         await self.budget.check()
+        if self.config.penalty_codes:
+            self.pauses.start()
 
     async def _spider_closed(self, spider: Spider) -> None:
+        self.pauses.stop()
         await self.budget.aclose()
         await self.redis.aclose(close_connection_pool=True)
 
@@ -106,8 +119,7 @@ class RedisThrottleMiddleware:
             stats.inc_value(f"{STATS_PREFIX}/skipped")
             return None
         key = self._key(request)
-        # "": data: or file: URLs
-        limit = self.crawl_delays.limit(key, self.config.limits.lookup(key)) if key else None
+        limit = self._limit(key)
         if limit is None:
             stats.inc_value(f"{STATS_PREFIX}/unthrottled")
             return None
@@ -120,14 +132,22 @@ class RedisThrottleMiddleware:
             # Back from the parking area: its tokens are reserved for go_at.
             if release["go_at"] - started >= -LATE_RELEASE:
                 await sleep(release["go_at"] - started)
-                self._went(started, delayed=True)
-                return None
-            stats.inc_value(f"{STATS_PREFIX}/released_late")  # its moment passed: ask again
+                if self._may_go(key):
+                    self._went(started, delayed=True)
+                    return None
+            else:
+                stats.inc_value(f"{STATS_PREFIX}/released_late")  # its moment passed: ask again
         delayed = release is not None
         while True:
             grant = await self.budget.acquire(key, limit, cost)
             result = grant.result
             delayed = delayed or grant.waited_for_redis
+            paused = 0.0 if grant.shared else self.pauses.paused_for(key)
+            if paused:
+                # Without Redis no bucket holds the pause back: this worker does.
+                delayed = True
+                await sleep(paused)
+                continue
             if result.allowed:
                 self._went(started, delayed)
                 return None
@@ -147,10 +167,81 @@ class RedisThrottleMiddleware:
             delayed = True
             if result.reserved:
                 await sleep(result.retry_after)
-                self._went(started, delayed)
-                return None
+                if self._may_go(key):
+                    self._went(started, delayed)
+                    return None
+                continue
             # Too far ahead to reserve: come back when it is not.
             await sleep(result.retry_after - self.config.max_reserve / 2)
+
+    async def process_response(self, request: Request, response: Response) -> Response:
+        """A response whose status is one of ``REDIS_THROTTLE_PENALTY_HTTP_CODES`` pauses its
+        domain for every worker (before RetryMiddleware, at 550, retries the request)."""
+        meta = request.meta
+        if (
+            response.status not in self.config.penalty_codes
+            or meta.get("dont_redis_throttle")
+            or meta.get("redis_throttle_penalty", True) is False
+        ):
+            return response
+        key = self._key(request)
+        limit = self._limit(key)
+        if limit is None:  # unthrottled: no bucket to pause
+            return response
+        self.stats.inc_value(f"{STATS_PREFIX}/penalties/{response.status}")
+        retry_after = parse_retry_after(
+            response.headers.get(b"Retry-After"), response.headers.get(b"Date")
+        )
+        penalty = await self.budget.penalize(key, limit, retry_after)
+        backoff = self.config.backoff
+        if penalty is None:  # Redis is unavailable: this worker pauses alone
+            pause = min(backoff.longest, backoff.first if retry_after is None else retry_after)
+            self.pauses.pause(key, pause)
+            logger.warning(
+                "Redis throttle: %(status)d from %(key)r: pausing it for %(pause).1f s in this "
+                "worker only (Redis is unavailable)",
+                {"status": response.status, "key": key, "pause": pause},
+                extra=self._log_extra(),
+            )
+            return response
+        self.pauses.pause(key, penalty.pause)
+        if not penalty.changed:  # answers to requests sent before the pause
+            logger.debug(
+                "Redis throttle: %(status)d from %(key)r, already paused for %(pause).1f s",
+                {"status": response.status, "key": key, "pause": penalty.pause},
+                extra=self._log_extra(),
+            )
+            return response
+        self.stats.inc_value(f"{STATS_PREFIX}/pauses")
+        self.stats.max_value(f"{STATS_PREFIX}/pause_max", penalty.pause)
+        logger.info(
+            "Redis throttle: %(status)d from %(key)r (%(why)s): no request to it for "
+            "%(pause).1f s, from any worker",
+            {
+                "status": response.status,
+                "key": key,
+                "why": f"Retry-After: {retry_after:g} s"
+                if retry_after is not None
+                else f"no Retry-After, penalty {penalty.strikes} in a row",
+                "pause": penalty.pause,
+            },
+            extra=self._log_extra(),
+        )
+        return response
+
+    def _limit(self, key: str) -> Limit | None:
+        """The limit of requests throttled under *key* ("" for data: and file: URLs: None)."""
+        if not key:
+            return None
+        return self.crawl_delays.limit(key, self.config.limits.lookup(key))
+
+    def _may_go(self, key: str) -> bool:
+        """Whether a request whose reserved moment has come may go: not if a pause of its key
+        came meanwhile (its moment falls within the pause); it must ask Redis again."""
+        if self.pauses.paused_for(key):
+            self.stats.inc_value(f"{STATS_PREFIX}/paused_reservations")
+            return False
+        return True
 
     def _went(self, started: float, delayed: bool) -> None:
         """Count a request that leaves for the download."""

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from redis.asyncio import Redis
     from scrapy.statscollectors import StatsCollector
 
+    from .bucket import Penalty
     from .config import Limit, ThrottleConfig
 
 logger = logging.getLogger(__name__)
@@ -248,6 +249,19 @@ class ResilientBucket:
             # fallback's pace instead (its tokens in Redis stay spent: on the polite side).
             return None
         return result
+
+    async def penalize(self, key: str, limit: Limit, retry_after: float | None) -> Penalty | None:
+        """Pause *key* for the fleet (see :mod:`.penalties`); None when Redis could not be told."""
+        if self.breaker.open_for() is not None:
+            return None
+        self._stats.inc_value(f"{STATS_PREFIX}/redis_calls")
+        try:
+            penalty = await self._bucket.penalize(key, limit, retry_after, self._config.backoff)
+        except RedisError as exc:
+            self._failed(exc)
+            return None
+        self._succeeded()
+        return penalty
 
     def _failed(self, exc: RedisError) -> None:
         self._stats.inc_value(f"{STATS_PREFIX}/redis_errors/{type(exc).__name__}")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import Callable, Coroutine, Generator
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,18 @@ from twisted.internet.defer import Deferred
 if TYPE_CHECKING:
     from demo_site import DemoSite
     from scrapy.crawler import Crawler
+
+
+async def wait_until_async(
+    predicate: Callable[[], object], message: str, timeout: float = 30
+) -> None:
+    """:func:`wait_until` for async tests: the reactor's loop goes on meanwhile."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {message}")
+        await asyncio.sleep(0.02)
 
 
 def async_test(func: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., Deferred[None]]:
@@ -95,4 +108,5 @@ __all__ = [
     "run_crawl",
     "start_crawl_workers",
     "wait_until",
+    "wait_until_async",
 ]

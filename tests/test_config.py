@@ -10,6 +10,7 @@ from scrapy.settings import Settings
 
 from scrapy_redis_throttle.config import (
     DEFAULT_REDIS_PARAMS,
+    Backoff,
     Limit,
     ThrottleConfig,
     ThrottleConfigError,
@@ -75,6 +76,8 @@ def test_defaults() -> None:
     assert cfg.key_prefix == "redis_throttle"
     assert (cfg.on_redis_error, cfg.fallback_workers, cfg.probe_interval) == ("local", 1, 5.0)
     assert (cfg.crawl_delay, cfg.max_crawl_delay) == (True, 30.0)
+    assert cfg.penalty_codes == {429, 503}
+    assert cfg.backoff == Backoff(first=2.0, longest=600.0, decay=60.0)
 
 
 def test_parking_uses_scrapy_redis_own_connection() -> None:
@@ -147,9 +150,13 @@ def test_settings_from_the_command_line_are_strings() -> None:
         REDIS_THROTTLE_RATES='{"shop.example": {"rate": "2/s", "burst": 4}}',
         REDIS_THROTTLE_DEFAULT_RATE="3",
         REDIS_THROTTLE_DEFAULT_BURST="2",
+        REDIS_THROTTLE_PENALTY_HTTP_CODES="429,503,520",
+        REDIS_THROTTLE_CRAWL_DELAY_ENABLED="false",
     )
     assert cfg.limits.lookup("shop.example") == Limit(2, 4, "2/s")
     assert str(cfg.limits.lookup("other.example")) == "3/s (burst 2)"
+    assert cfg.penalty_codes == {429, 503, 520}
+    assert cfg.crawl_delay is False
 
 
 def test_describe_lists_effective_limits() -> None:
@@ -187,6 +194,12 @@ def test_describe_lists_effective_limits() -> None:
         ({"REDIS_THROTTLE_FALLBACK_WORKERS": 0}, "REDIS_THROTTLE_FALLBACK_WORKERS: the number of workers must be an integer >= 1, got 0"),
         ({"REDIS_THROTTLE_FALLBACK_WORKERS": "many"}, "REDIS_THROTTLE_FALLBACK_WORKERS: the number of workers must be an integer >= 1, got 'many'"),
         ({"REDIS_THROTTLE_PROBE_INTERVAL": 0}, "REDIS_THROTTLE_PROBE_INTERVAL must be a number of seconds >= 0.1, got 0"),
+        ({"REDIS_THROTTLE_PENALTY_HTTP_CODES": "soon"}, "REDIS_THROTTLE_PENALTY_HTTP_CODES must be a list of HTTP status codes \\(100-599\\), got 'soon'"),
+        ({"REDIS_THROTTLE_PENALTY_HTTP_CODES": [429, 1000]}, "REDIS_THROTTLE_PENALTY_HTTP_CODES must be a list of HTTP status codes \\(100-599\\), got \\[429, 1000\\]"),
+        ({"REDIS_THROTTLE_PENALTY_HTTP_CODES": 429}, "REDIS_THROTTLE_PENALTY_HTTP_CODES must be a list"),
+        ({"REDIS_THROTTLE_PENALTY_BACKOFF": -1}, "REDIS_THROTTLE_PENALTY_BACKOFF must be a number of seconds >= 0.001, got -1"),
+        ({"REDIS_THROTTLE_MAX_PAUSE": "long"}, "REDIS_THROTTLE_MAX_PAUSE must be a number of seconds >= 0.001, got 'long'"),
+        ({"REDIS_THROTTLE_PENALTY_DECAY": 0}, "REDIS_THROTTLE_PENALTY_DECAY must be a number of seconds >= 0.001, got 0"),
         ({"REDIS_THROTTLE_MAX_CRAWL_DELAY": 0}, "REDIS_THROTTLE_MAX_CRAWL_DELAY must be a number of seconds >= 0.001, got 0"),
         ({"REDIS_THROTTLE_CRAWL_DELAY_ENABLED": "maybe"}, "REDIS_THROTTLE_CRAWL_DELAY_ENABLED must be True or False \\(or 1, 0, 'true', 'false'\\), got 'maybe'"),
         ({"REDIS_THROTTLE_ENABLED": "perhaps"}, "REDIS_THROTTLE_ENABLED must be True or False"),

@@ -5,7 +5,6 @@ Pacing is measured where it matters: at the server, from the arrival time of eac
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import subprocess
@@ -33,6 +32,7 @@ from support import (
     pages,
     run_crawl,
     start_crawl_workers,
+    wait_until_async,
 )
 
 from scrapy_redis_throttle import Addon, RedisThrottleMiddleware, ThrottleConfigError
@@ -225,10 +225,12 @@ async def test_wait_policy_holds_requests_until_redis_is_back(
         return int(stats.get_value("redis_throttle/redis_errors/ConnectionError", 0))
 
     if not down_at_start:
-        await _wait_async(lambda: len(site.arrivals(A)) >= 3, "3 arrivals before Redis is stopped")
+        await wait_until_async(
+            lambda: len(site.arrivals(A)) >= 3, "3 arrivals before Redis is stopped"
+        )
         own_redis.stop()
     stopped = time.monotonic()
-    await _wait_async(
+    await wait_until_async(
         lambda: errors() >= 2 and time.monotonic() > stopped + 2,
         "requests to notice that Redis is gone, for 2 s",
     )
@@ -266,15 +268,6 @@ async def test_redis_params_reach_the_connection(site: DemoSite) -> None:
     assert stats["redis_throttle/requests"] == 3
     assert stats["redis_throttle/delayed"] == 2
     assert not [key for key in stats if key.startswith("redis_throttle/redis_errors")]
-
-
-async def _wait_async(predicate: Any, message: str, timeout: float = 30) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        if loop.time() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {message}")
-        await asyncio.sleep(0.02)
 
 
 @async_test

@@ -16,6 +16,8 @@ from run_demo import Run, configured_limits, reset_redis, start_workers, stop_wo
 from support import achieved_rate, assert_paced, wait_until
 
 from scrapy_redis_throttle import Limit
+from scrapy_redis_throttle.config import DEFAULT_MAX_HOLD
+from scrapy_redis_throttle.scheduler import RELEASE_AHEAD
 
 WORKERS = 3
 # The example spider's limits: 4/s, 2/s with a burst of 3, and one request every 2 s.
@@ -24,6 +26,10 @@ LIMITS = configured_limits()
 PAGES = {"127.0.0.2": 55, "127.0.0.3": 25, "127.0.0.4": 6}
 # Arrival times at the server may be squeezed by uneven latency: one request of tolerance.
 TOLERANCE = 1
+# A killed worker's reservations are not given back (README, "Known limitations"): it held
+# requests for at most this long ahead (parked ones come back RELEASE_AHEAD early, and wait in
+# the middleware up to MAX_HOLD), so its domains may idle that long after the kill.
+LOST_RESERVATIONS = DEFAULT_MAX_HOLD + RELEASE_AHEAD
 
 Fleet = tuple[DemoSite, list["subprocess.Popen[bytes]"]]
 
@@ -82,8 +88,10 @@ def test_a_killed_worker_does_not_stop_the_others_from_keeping_the_limit(
     workers[0].send_signal(signal.SIGKILL)
     workers[0].wait(timeout=10)
     killed_at = max(a.time for a in site.arrivals(host))
+    # The rate is measured once the killed worker's reservations have passed.
+    resumed_at = killed_at + LOST_RESERVATIONS
     wait_until(
-        lambda: sum(a.time > killed_at for a in site.arrivals(host)) >= 24,
+        lambda: sum(a.time > resumed_at for a in site.arrivals(host)) >= 24,
         timeout=60,
         message=f"24 more arrivals at {host} after a worker was killed",
     )
@@ -94,6 +102,6 @@ def test_a_killed_worker_does_not_stop_the_others_from_keeping_the_limit(
         each_limit = limit_of(each)
         times = [a.time for a in site.arrivals(each)]
         assert_paced(times, each_limit.rate, each_limit.burst, what=each, jitter=0, extra=TOLERANCE)
-    after = [a.time for a in site.arrivals(host) if a.time > killed_at]
+    after = [a.time for a in site.arrivals(host) if a.time > resumed_at]
     achieved = (len(after) - 1) / (max(after) - min(after))
     assert achieved >= 0.9 * limit.rate, f"after the kill: {achieved:.2f}/s, limit {limit}"

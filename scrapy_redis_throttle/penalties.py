@@ -1,0 +1,137 @@
+"""Pauses of a domain after 429/503 responses, for the whole fleet.
+
+The worker that gets such a response runs ``lua/penalty.lua``: the domain's bucket in Redis is
+pushed past the pause (``Retry-After``, or an exponential backoff), so that no acquire succeeds
+before it ends, and the pause is published. Every worker listens (:class:`Pauses`): a request
+that reserved a moment within the pause, before it was known, asks Redis again at that moment
+instead of going.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import suppress
+from datetime import datetime, timezone
+from email.utils import parsedate_to_datetime
+from typing import TYPE_CHECKING, Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from .resilience import STATS_PREFIX, sleep
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from redis.asyncio import Redis
+    from scrapy.statscollectors import StatsCollector
+
+logger = logging.getLogger(__name__)
+
+# How long the listener waits for a message at a time (below the socket timeout), and before it
+# subscribes again after losing its connection.
+LISTEN_TIMEOUT = 0.5
+RESUBSCRIBE_DELAY = 1.0
+
+
+def parse_retry_after(value: bytes | None, date: bytes | None) -> float | None:
+    """Seconds from a ``Retry-After`` header: delta-seconds, or an HTTP-date taken relative to
+    the response's ``Date`` (so that the site's clock, not ours, counts). None when missing or
+    invalid; 0 for a moment already past."""
+    if not value:
+        return None
+    text = value.decode("latin-1").strip()
+    if text.isdigit():
+        return float(text)
+    try:
+        retry_at = _utc(parsedate_to_datetime(text))
+        sent_at = _utc(parsedate_to_datetime(date.decode("latin-1"))) if date else None
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, (retry_at - (sent_at or datetime.now(timezone.utc))).total_seconds())
+
+
+def _utc(moment: datetime) -> datetime:
+    # HTTP-dates are in GMT; "-0000" parses as a naive time.
+    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
+
+
+class Pauses:
+    """The pauses this worker knows of: its own, and those other workers published."""
+
+    def __init__(
+        self,
+        redis: Redis,
+        channel: str,
+        stats: StatsCollector,
+        log_extra: Callable[[], dict[str, Any]],
+    ) -> None:
+        self._redis = redis
+        self._channel = channel
+        self._stats = stats
+        self._log_extra = log_extra
+        self._until: dict[str, float] = {}  # key -> loop time the pause ends
+        self._listener: asyncio.Task[None] | None = None
+        self._failing = False
+
+    def start(self) -> None:
+        self._listener = asyncio.ensure_future(self._listen())
+
+    def stop(self) -> None:
+        # Not awaited, so that the spider's close does not wait for it (as the breaker's probe).
+        if self._listener is not None:
+            self._listener.cancel()
+
+    def pause(self, key: str, seconds: float) -> None:
+        """*key* is paused for *seconds* from now (or longer, if it was already)."""
+        until = asyncio.get_running_loop().time() + seconds
+        if until > self._until.get(key, 0.0):
+            self._until[key] = until
+
+    def paused_for(self, key: str) -> float:
+        """Seconds until *key*'s pause ends (0: not paused)."""
+        if key not in self._until:
+            return 0.0
+        left = self._until[key] - asyncio.get_running_loop().time()
+        if left <= 0:
+            del self._until[key]
+            return 0.0
+        return left
+
+    async def _listen(self) -> None:
+        while True:
+            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self._channel)
+                self._failing = False
+                while True:
+                    message = await pubsub.get_message(timeout=LISTEN_TIMEOUT)
+                    if message is not None:
+                        self._received(message["data"])
+            except (RedisError, OSError) as exc:
+                self._listen_failed(exc)
+                await sleep(RESUBSCRIBE_DELAY)
+            finally:
+                with suppress(RedisError, OSError):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    def _listen_failed(self, exc: Exception) -> None:
+        self._stats.inc_value(f"{STATS_PREFIX}/listener_errors/{type(exc).__name__}")
+        # Once per failure, not once a second; an unreachable Redis is reported by the breaker.
+        if self._failing or isinstance(exc, (RedisConnectionError, RedisTimeoutError, OSError)):
+            return
+        self._failing = True
+        logger.warning(
+            "Redis throttle: cannot listen for the pauses of other workers (%s: %s); until "
+            "this works, requests that reserved a moment within such a pause go at it",
+            type(exc).__name__,
+            exc,
+            extra=self._log_extra(),
+        )
+
+    def _received(self, data: bytes) -> None:
+        pause_us, _, key = data.decode("utf-8", "surrogateescape").partition(" ")
+        with suppress(ValueError):
+            self.pause(key, int(pause_us) / 1e6)

@@ -1,0 +1,335 @@
+"""429/503 pause a domain for the whole fleet: the penalty script, Retry-After, real crawls."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+import redis
+from demo_site import HOSTS, DemoSite
+from local_redis import RedisServer
+from redis.asyncio import Redis
+from scrapy.crawler import CrawlerRunner
+from scrapy.utils.defer import maybe_deferred_to_future
+from spiders import UrlListSpider
+from support import (
+    assert_paced,
+    async_test,
+    crawl_settings,
+    finish_crawl_workers,
+    pages,
+    run_crawl,
+    start_crawl_workers,
+    wait_until_async,
+)
+
+from scrapy_redis_throttle.bucket import (
+    TokenBucket,
+    bucket_key,
+    penalty_channel,
+    penalty_key,
+)
+from scrapy_redis_throttle.config import Backoff, Limit
+from scrapy_redis_throttle.penalties import parse_retry_after
+
+A, B, C = HOSTS
+LIMIT = Limit(5, 2, "5/s")
+BACKOFF = Backoff(first=1.0, longest=600.0, decay=60.0)
+# The scripts count time in µs from this epoch (see lua/token_bucket.lua).
+EPOCH = 1704067200
+
+
+@pytest.mark.parametrize(
+    ("value", "date", "expected"),
+    [
+        (b"5", None, 5.0),
+        (b" 120 ", None, 120.0),
+        (b"Wed, 21 Oct 2015 07:28:00 GMT", b"Wed, 21 Oct 2015 07:27:50 GMT", 10.0),
+        (b"Wed, 21 Oct 2015 07:28:00 GMT", None, 0.0),  # long past by our clock
+        (b"Wed, 21 Oct 2015 07:28:00 GMT", b"Wed, 21 Oct 2015 07:29:00 GMT", 0.0),
+        (b"soon", None, None),
+        (b"-5", None, None),
+        (b"", None, None),
+        (None, None, None),
+    ],
+)
+def test_retry_after_seconds_or_http_date(
+    value: bytes | None, date: bytes | None, expected: float | None
+) -> None:
+    assert parse_retry_after(value, date) == expected
+
+
+@asynccontextmanager
+async def token_bucket(server: RedisServer, prefix: str = "ns") -> AsyncIterator[TokenBucket]:
+    client = Redis.from_url(server.url)
+    bucket = TokenBucket(client, prefix)
+    try:
+        yield bucket
+    finally:
+        await bucket.aclose()
+        await client.aclose()
+
+
+@async_test
+async def test_a_pause_holds_back_every_acquire_until_it_ends(redis_server: RedisServer) -> None:
+    async with token_bucket(redis_server) as bucket:
+        assert (await bucket.acquire("shop.example", LIMIT)).allowed
+        penalty = await bucket.penalize("shop.example", LIMIT, 5.0, BACKOFF)
+        assert (penalty.changed, penalty.strikes) == (True, 1)
+        assert 4.99 < penalty.pause <= 5.0
+        refused = await bucket.acquire("shop.example", LIMIT)
+        assert not refused.allowed
+        # Not before the pause ends, and no burst at its end: one token then, as at the rate.
+        assert 4.9 < refused.retry_after <= 5.0
+        reserved = await bucket.acquire("shop.example", LIMIT, reserve=10)
+        assert reserved.reserved
+        assert 4.9 < reserved.retry_after <= 5.0
+        second = await bucket.acquire("shop.example", LIMIT, reserve=10)
+        assert 5.1 < second.retry_after <= 5.2, "then at the rate: 0.2 s later"
+    with redis_server.client() as client:
+        assert 4_900 < client.pttl(penalty_key("ns", "shop.example")) <= 65_000
+        assert 5_000 < client.pttl(bucket_key("ns", "shop.example")) <= 5_600
+
+
+@async_test
+async def test_answers_to_requests_sent_before_the_pause_do_not_add_to_it(
+    redis_server: RedisServer,
+) -> None:
+    async with token_bucket(redis_server) as bucket:
+        first = await bucket.penalize("shop.example", LIMIT, None, BACKOFF)
+        assert (first.changed, first.strikes) == (True, 1)
+        assert 0.99 < first.pause <= 1.0  # the first backoff
+        again = await bucket.penalize("shop.example", LIMIT, None, BACKOFF)
+        assert (again.changed, again.strikes) == (False, 1)
+        assert again.pause <= first.pause
+        shorter = await bucket.penalize("shop.example", LIMIT, 0.5, BACKOFF)
+        assert not shorter.changed
+        longer = await bucket.penalize("shop.example", LIMIT, 3.0, BACKOFF)
+        assert (longer.changed, longer.strikes) == (True, 1), "a longer Retry-After extends it"
+        assert 2.99 < longer.pause <= 3.0
+        capped = await bucket.penalize("shop.example", LIMIT, 10_000.0, BACKOFF)
+        assert 599 < capped.pause <= 600, "REDIS_THROTTLE_MAX_PAUSE"
+
+
+def set_penalty_state(server: RedisServer, strikes: int, ended_ago: float) -> None:
+    """As if *strikes* penalties in a row had been taken, the last pause ended *ended_ago* s ago."""
+    with server.client() as client:
+        seconds, micros = client.time()
+        now = (seconds - EPOCH) * 1_000_000 + micros
+        client.hset(
+            penalty_key("ns", "shop.example"),
+            mapping={"strikes": strikes, "until": int(now - ended_ago * 1e6)},
+        )
+
+
+@pytest.mark.parametrize(
+    ("strikes", "ended_ago", "expected_strikes"),
+    [
+        (1, 1.0, 2),  # soon after the last pause: twice as long
+        (3, 1.0, 4),  # 8 s
+        (3, 61.0, 3),  # one decay later: one doubling undone, then this one
+        (3, 3 * 60 + 1.0, 1),  # three decays: back to the first backoff
+        (9, 1.0, 10),  # 512 s, capped at 600 only above
+    ],
+)
+@async_test
+async def test_backoff_doubles_and_decays(
+    redis_server: RedisServer, strikes: int, ended_ago: float, expected_strikes: int
+) -> None:
+    set_penalty_state(redis_server, strikes, ended_ago)
+    async with token_bucket(redis_server) as bucket:
+        penalty = await bucket.penalize("shop.example", LIMIT, None, BACKOFF)
+    assert penalty.strikes == expected_strikes
+    expected = min(600, BACKOFF.first * 2 ** (expected_strikes - 1))
+    assert expected - 0.01 < penalty.pause <= expected
+
+
+@async_test
+async def test_a_pause_is_published_for_the_fleet(redis_server: RedisServer) -> None:
+    with redis_server.client() as client, client.pubsub() as sub:
+        sub.subscribe(penalty_channel("ns"))
+        assert sub.get_message(timeout=5)["type"] == "subscribe"
+        async with token_bucket(redis_server) as bucket:
+            await bucket.penalize("Odd key {x}", LIMIT, 2.0, BACKOFF)
+        message = sub.get_message(timeout=5)
+    assert message is not None, "no message within 5 s"
+    assert message["type"] == "message"
+    pause_us, _, key = message["data"].decode().partition(" ")
+    assert key == "Odd key {x}"
+    assert 1_990_000 < int(pause_us) <= 2_000_000
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["0", "1", "-1", "1", "1", "1", "c", "k"],
+            "argument 1 must be a finite number > 0, got 0",
+        ),
+        (
+            ["1", "0", "-1", "1", "1", "1", "c", "k"],
+            "argument 2 must be a finite number >= 1, got 0",
+        ),
+        (
+            ["1", "1", "-2", "1", "1", "1", "c", "k"],
+            "argument 3 must be a finite number >= -1, got -2",
+        ),
+        (
+            ["1", "1", "-1", "nan", "1", "1", "c", "k"],
+            "argument 4 must be a finite number > 0, got nan",
+        ),
+        (
+            ["1", "1", "-1", "1", "inf", "1", "c", "k"],
+            "argument 5 must be a finite number > 0, got inf",
+        ),
+        (
+            ["1", "1", "-1", "1", "1", "x", "c", "k"],
+            "argument 6 must be a finite number > 0, got x",
+        ),
+    ],
+)
+def test_penalty_script_validates_its_arguments(
+    redis_server: RedisServer, args: list[str], message: str
+) -> None:
+    from scrapy_redis_throttle.scripts import load_script
+
+    with redis_server.client() as client:
+        script = client.register_script(load_script("penalty.lua"))
+        with pytest.raises(redis.ResponseError, match=message):
+            script(keys=["ns:{k}", "ns:{k}:penalty"], args=args)
+        assert client.keys("*") == []
+
+
+def gaps_after(times: list[float], moment: float) -> float:
+    """Seconds from *moment* to the first of *times* after it."""
+    return min(t for t in times if t > moment) - moment
+
+
+@async_test
+async def test_503s_in_a_row_back_off_twice_as_long(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="scrapy_redis_throttle")
+    # /page/2 answers 503 twice (no Retry-After), then its page: Scrapy retries it.
+    no_header: dict[str, str] = {}
+    errors = {(A, "/page/2"): [(503, no_header), (503, no_header)]}
+    with DemoSite(HOSTS, pages=10, errors=errors) as site:
+        crawler = await run_crawl(
+            crawl_settings(redis_server.url, REDIS_THROTTLE_PENALTY_BACKOFF=0.5),
+            pages(site, A, 6),
+            redis_throttle_rates={A: "10/s"},
+        )
+        arrivals = site.arrivals(A)
+    failures = [a.time for a in arrivals if a.status == 503]
+    assert len(failures) == 2
+    times = [a.time for a in arrivals]
+    assert gaps_after(times, failures[0]) >= 0.5, "first pause: the backoff"
+    assert gaps_after(times, failures[1]) >= 1.0, "second one, right after: twice as long"
+    assert Counter(a.path for a in arrivals if a.status == 200) == {
+        f"/page/{n}": 1 for n in range(6)
+    }
+    stats = crawler.stats.get_stats()
+    assert stats["redis_throttle/penalties/503"] == 2
+    assert stats["redis_throttle/pauses"] == 2
+    assert 0.99 < stats["redis_throttle/pause_max"] <= 1.0
+    assert any(
+        f"503 from '{A}' (no Retry-After, penalty 2 in a row): no request to it for 1.0 s"
+        in r.getMessage()
+        for r in caplog.records
+    )
+
+
+@async_test
+async def test_a_request_can_opt_out_of_penalties(redis_server: RedisServer) -> None:
+    errors = {(A, "/page/1"): [(429, {"Retry-After": "30"})]}
+    with DemoSite(HOSTS, pages=10, errors=errors) as site:
+        requests = pages(site, A, 4, redis_throttle_penalty=False)
+        crawler = await run_crawl(
+            crawl_settings(redis_server.url, RETRY_ENABLED=False),
+            requests,
+            redis_throttle_rates={A: "10/s"},
+        )
+        times = [a.time for a in site.arrivals(A)]
+    assert len(times) == 4
+    assert_paced(times, rate=10, burst=1, what="A")
+    assert max(times) - min(times) < 5, "not paused for the Retry-After of 30 s"
+    assert "redis_throttle/pauses" not in crawler.stats.get_stats()
+
+
+def test_a_429_pauses_the_domain_for_every_worker(redis_server: RedisServer) -> None:
+    """Three worker processes crawl one domain at 5/s; one request gets a 429 with
+    Retry-After: 5. No worker sends the domain anything for 5 s, then they go on."""
+    workers_count, pages_each = 3, 5
+    # The first request of the first worker: the later ones it reserved fall within the pause.
+    errors = {(A, "/page/0"): [(429, {"Retry-After": "5"})]}
+    with DemoSite(HOSTS, pages=20, errors=errors) as site:
+        jobs = [
+            {
+                "settings": crawl_settings(redis_server.url),
+                "requests": pages(site, A, pages_each, first=worker * pages_each),
+                "spider_attributes": {"redis_throttle_rates": {A: "5/s"}},
+            }
+            for worker in range(workers_count)
+        ]
+        all_stats = finish_crawl_workers(start_crawl_workers(redis_server.url, jobs), 90)
+        arrivals = site.arrivals(A)
+
+    [refused] = [a.time for a in arrivals if a.status == 429]
+    quiet = gaps_after([a.time for a in arrivals], refused)
+    assert 5 <= quiet < 6, f"next request {quiet:.3f} s after the 429"
+    assert Counter(a.path for a in arrivals if a.status == 200) == {
+        f"/page/{n}": 1 for n in range(workers_count * pages_each)
+    }, "every page, the refused one retried"
+    assert sum(s.get("redis_throttle/pauses", 0) for s in all_stats) == 1
+    assert sum(s.get("redis_throttle/paused_reservations", 0) for s in all_stats) >= 1
+
+
+@async_test
+async def test_a_pause_published_by_another_worker_stops_reserved_requests(
+    redis_server: RedisServer, site: DemoSite
+) -> None:
+    """The crawl reserves a moment for each request at once; another worker (here, the test)
+    then pauses the domain: the requests whose moments fall within the pause hear of it and
+    wait for it to end."""
+    runner = CrawlerRunner(crawl_settings(redis_server.url))
+    crawler = runner.create_crawler(UrlListSpider)
+    crawl = runner.crawl(crawler, requests=pages(site, A, 10), redis_throttle_rates={A: "5/s"})
+    await wait_until_async(lambda: len(site.arrivals(A)) >= 2, "2 arrivals")
+    async with token_bucket(redis_server, prefix="redis_throttle") as other_worker:
+        penalty = await other_worker.penalize(A, Limit(5, 1, "5/s"), 2.0, BACKOFF)
+    paused_at = time.monotonic()
+    await maybe_deferred_to_future(crawl)
+
+    assert penalty.changed
+    times = [a.time for a in site.arrivals(A)]
+    assert len(times) == 10
+    # 8 requests had reserved moments 0.2 s apart, all within the pause of 2 s.
+    assert [t for t in times if paused_at < t < paused_at + 1.99] == []
+    assert crawler.stats.get_value("redis_throttle/paused_reservations") == 8
+
+
+@async_test
+async def test_without_redis_a_429_pauses_the_worker_that_got_it(
+    own_redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="scrapy_redis_throttle")
+    own_redis.stop()
+    errors = {(A, "/page/1"): [(429, {"Retry-After": "1"})]}
+    with DemoSite(HOSTS, pages=10, errors=errors) as site:
+        await run_crawl(
+            crawl_settings(own_redis.url, RETRY_ENABLED=False),
+            pages(site, A, 5),
+            redis_throttle_rates={A: "10/s"},
+        )
+        arrivals = site.arrivals(A)
+    assert len(arrivals) == 5
+    [refused] = [a.time for a in arrivals if a.status == 429]
+    assert gaps_after([a.time for a in arrivals], refused) >= 1
+    assert any(
+        f"429 from '{A}': pausing it for 1.0 s in this worker only" in r.getMessage()
+        for r in caplog.records
+    )
