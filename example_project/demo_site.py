@@ -22,6 +22,10 @@ from typing import IO, Any
 
 # The demo's "domains": Linux routes all of 127.0.0.0/8 to the loopback interface.
 HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+# The demo's fourth domain answers 429 to more than OVERLOAD[0] requests a second, with
+# Retry-After: OVERLOAD[1] seconds.
+OVERLOADED_HOST = "127.0.0.5"
+OVERLOAD = (3, 2)
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         arrived = time.monotonic(), time.time()
         robots = self.server.site.robots.get(self.server.host)
-        error = self.server.site.next_error(self.server.host, self.path)
+        error = self.server.site.next_error(self.server.host, self.path, arrived[0])
         headers: Mapping[str, str] = {}
         if error is not None:
             (status, headers), body, content_type = error, "<html>try later</html>", "text/html"
@@ -107,6 +111,8 @@ class DemoSite:
     the robots.txt of some hosts (the others answer 404, which Scrapy takes as "allow all").
     *errors* gives, for some ``(host, path)``, the ``(status, headers)`` answers to the first
     requests for it, in turn (e.g. a 429 with ``Retry-After``); later requests get the page.
+    *overload* gives, for some hosts, ``(requests, retry_after)``: a request that comes after
+    that many in the last second gets a 429 with ``Retry-After: retry_after``.
     """
 
     def __init__(
@@ -117,7 +123,9 @@ class DemoSite:
         log: IO[str] | None = None,
         robots: Mapping[str, str] | None = None,
         errors: Mapping[tuple[str, str], Sequence[tuple[int, Mapping[str, str]]]] | None = None,
+        overload: Mapping[str, tuple[int, int]] | None = None,
     ) -> None:
+        self._overload = dict(overload or {})
         self.hosts = hosts
         self.robots = dict(robots or {})
         self._errors = {where: list(answers) for where, answers in (errors or {}).items()}
@@ -173,11 +181,20 @@ class DemoSite:
     def url(self, host: str, path: str = "/") -> str:
         return f"http://{host}:{self.port}{path}"
 
-    def next_error(self, host: str, path: str) -> tuple[int, Mapping[str, str]] | None:
-        """The error answer due for this request, if any (see *errors*)."""
+    def next_error(
+        self, host: str, path: str, arrived: float
+    ) -> tuple[int, Mapping[str, str]] | None:
+        """The error answer due for a request that *arrived*, if any (see *errors* and
+        *overload*)."""
         with self._lock:
             answers = self._errors.get((host, path))
-            return answers.pop(0) if answers else None
+            if answers:
+                return answers.pop(0)
+            if host not in self._overload:
+                return None
+            most, retry_after = self._overload[host]
+            recent = sum(a.host == host and a.time > arrived - 1 for a in self._arrivals)
+            return (429, {"Retry-After": str(retry_after)}) if recent >= most else None
 
     def record(self, arrival: Arrival) -> None:
         with self._lock:

@@ -1,13 +1,17 @@
-"""The demo: a fleet of scrapy-redis workers crawls a local 3-domain site, twice.
+"""The demo: a fleet of scrapy-redis workers crawls a local 4-domain site, twice.
 
 1. "shared budget": the workers use scrapy-redis-throttle, one budget per domain in Redis.
 2. "baseline": the same fleet with the throttle off and plain Scrapy politeness instead: each
    worker waits the same per-domain interval (DOWNLOAD_SLOTS delay), on its own.
 
-It starts a private redis-server (unless --redis-url is given) and the demo site on 127.0.0.2-4,
+It starts a private redis-server (unless --redis-url is given) and the demo site on 127.0.0.2-5,
 seeds the start URLs, runs --workers ``scrapy crawl shop`` processes for --duration seconds per
 run, and prints, per domain, the configured limit next to what the site actually received. It also
 draws the requests per second of both runs into a PNG chart.
+
+The fourth domain, 127.0.0.5, takes less than its configured limit: it answers 429 (Retry-After:
+2) to more than 3 requests a second. With the shared budget, each 429 pauses it for the whole
+fleet; the baseline keeps sending.
 """
 
 from __future__ import annotations
@@ -26,13 +30,20 @@ PROJECT = Path(__file__).resolve().parent
 sys.path.insert(0, str(PROJECT))
 
 import redis  # noqa: E402
-from demo_site import HOSTS, DemoSite, loopback_hosts_available  # noqa: E402
+from demo_site import (  # noqa: E402
+    HOSTS,
+    OVERLOAD,
+    OVERLOADED_HOST,
+    DemoSite,
+    loopback_hosts_available,
+)
 from local_redis import RedisServer  # noqa: E402
 from scrapy.settings import Settings  # noqa: E402
 from shop.spiders.shop import ShopSpider  # noqa: E402
 
 from scrapy_redis_throttle import Limit, ThrottleConfig  # noqa: E402
 
+DEMO_HOSTS = [*HOSTS, OVERLOADED_HOST]
 PROGRESS_EVERY = 2.0
 # After the run's time, a worker gets this long to close cleanly, then as long again after a
 # second SIGINT (Scrapy's forced stop), and is then killed.
@@ -43,6 +54,16 @@ STOP_GRACE = 5.0
 class Run:
     name: str
     settings: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Arrivals:
+    """What one domain received in one run."""
+
+    times: list[float]
+    """Seconds from the start of the run of each request answered 200, in order."""
+    refused: int
+    """Requests answered 429."""
 
 
 def parse_args() -> argparse.Namespace:
@@ -70,7 +91,7 @@ def configured_limits() -> dict[str, Limit | None]:
     settings = Settings()
     settings.setmodule("shop.settings")
     config = ThrottleConfig.from_settings(settings, spider_rates=ShopSpider.redis_throttle_rates)
-    return {host: config.limits.lookup(host) for host in HOSTS}
+    return {host: config.limits.lookup(host) for host in DEMO_HOSTS}
 
 
 def runs(limits: dict[str, Limit | None], baseline: bool) -> list[Run]:
@@ -94,7 +115,7 @@ def reset_redis(redis_url: str, site: DemoSite) -> None:
         for pattern in ("shop:*", "redis_throttle:*"):
             for key in client.scan_iter(pattern):
                 client.delete(key)
-        client.lpush("shop:start_urls", *(site.url(host) for host in HOSTS))
+        client.lpush("shop:start_urls", *(site.url(host) for host in site.hosts))
 
 
 def start_workers(
@@ -138,27 +159,29 @@ def busiest_window(times: list[float], window: float) -> int:
     return best
 
 
-def crawl(run: Run, args: argparse.Namespace, redis_url: str) -> dict[str, list[float]]:
-    """One run of the fleet; returns each host's arrival times, in seconds from the start."""
+def crawl(run: Run, args: argparse.Namespace, redis_url: str) -> dict[str, Arrivals]:
+    """One run of the fleet; returns what each host received."""
     log_name = f"arrivals-{run.name.replace(' ', '-')}.jsonl"
     with (
         (args.output / log_name).open("w") as log,
-        DemoSite(HOSTS, pages=args.pages, log=log) as site,
+        DemoSite(
+            DEMO_HOSTS, pages=args.pages, log=log, overload={OVERLOADED_HOST: OVERLOAD}
+        ) as site,
     ):
         reset_redis(redis_url, site)
         print(f"\n== {run.name}: {args.workers} workers for {args.duration:g} s ==")
         workers = start_workers(run, args.workers, redis_url, args.output)
         started = time.monotonic()
         try:
-            last = dict.fromkeys(HOSTS, 0)
+            last = dict.fromkeys(DEMO_HOSTS, 0)
             while time.monotonic() - started < args.duration:
                 time.sleep(PROGRESS_EVERY)  # the pace of the progress lines, not a synchronisation
-                counts = {host: len(site.arrivals(host)) for host in HOSTS}
+                counts = {host: len(site.arrivals(host)) for host in DEMO_HOSTS}
                 print(
                     f"  {time.monotonic() - started:5.1f} s  "
                     + "  ".join(
                         f"{h}: {counts[h]:4d} ({(counts[h] - last[h]) / PROGRESS_EVERY:4.1f}/s)"
-                        for h in HOSTS
+                        for h in DEMO_HOSTS
                     ),
                     flush=True,
                 )
@@ -169,26 +192,30 @@ def crawl(run: Run, args: argparse.Namespace, redis_url: str) -> dict[str, list[
         finally:
             stop_workers(workers)
         return {
-            h: sorted(a.time - started for a in site.arrivals(h) if a.status == 200) for h in HOSTS
+            h: Arrivals(
+                sorted(a.time - started for a in site.arrivals(h) if a.status == 200),
+                sum(a.status == 429 for a in site.arrivals(h)),
+            )
+            for h in DEMO_HOSTS
         }
 
 
 def report(
-    results: dict[str, dict[str, list[float]]], limits: dict[str, Limit | None], workers: int
+    results: dict[str, dict[str, Arrivals]], limits: dict[str, Limit | None], workers: int
 ) -> list[dict[str, object]]:
     print(f"\nWhat the site received from {workers} workers, per domain and run:\n")
     header = (
-        f"{'domain':<10} {'limit':<15} {'run':<14} {'requests':>8} {'achieved':>9} "
+        f"{'domain':<10} {'limit':<15} {'run':<14} {'requests':>8} {'429s':>5} {'achieved':>9} "
         f"{'x limit':>7} {'busiest 1 s':>11} {'(max)':>5} {'busiest 10 s':>12} {'(max)':>5}"
     )
     print(header)
     print("-" * len(header))
     rows: list[dict[str, object]] = []
-    for host in HOSTS:
+    for host in DEMO_HOSTS:
         limit = limits[host]
         assert limit is not None, "the demo spider limits every demo domain"
         for run_name, arrivals in results.items():
-            times = arrivals[host]
+            times = arrivals[host].times
             # Rate after the first burst, over the busy period.
             span = times[-1] - times[0] if len(times) > 1 else 0.0
             achieved = (len(times) - limit.burst) / span if span > 0 else 0.0
@@ -197,6 +224,7 @@ def report(
                 "limit": str(limit),
                 "run": run_name,
                 "requests": len(times),
+                "refused_429": arrivals[host].refused,
                 "achieved_per_s": round(achieved, 3),
                 "times_limit": round(achieved / limit.rate, 2),
                 "busiest_1s": busiest_window(times, 1.0),
@@ -208,13 +236,16 @@ def report(
             first = run_name == next(iter(results))
             print(
                 f"{host if first else '':<10} {str(limit) if first else '':<15} {run_name:<14} "
-                f"{row['requests']:>8} {achieved:>7.2f}/s {row['times_limit']:>6}x "
+                f"{row['requests']:>8} {row['refused_429']:>5} {achieved:>7.2f}/s "
+                f"{row['times_limit']:>6}x "
                 f"{row['busiest_1s']:>11} {row['max_1s']:>5} {row['busiest_10s']:>12} "
                 f"{row['max_10s']:>5}"
             )
     print(
-        "\n'achieved': requests per second after the first burst, over the busy period; "
-        "'(max)': what the limit\nallows in that window (burst + rate x window)."
+        "\n'requests': answered 200; '429s': refused by the site; 'achieved': requests per second "
+        "after the first burst,\nover the busy period; '(max)': what the limit allows in that "
+        f"window (burst + rate x window).\n{OVERLOADED_HOST} takes at most {OVERLOAD[0]} requests "
+        f"a second: each 429 (Retry-After: {OVERLOAD[1]}) pauses it for the whole fleet."
     )
     return rows
 
@@ -228,7 +259,7 @@ def rate_series(
 
 
 def chart(
-    results: dict[str, dict[str, list[float]]], limits: dict[str, Limit | None], path: Path
+    results: dict[str, dict[str, Arrivals]], limits: dict[str, Limit | None], path: Path
 ) -> bool:
     """Requests per second per domain over time, one panel per run, with each limit dashed."""
     try:
@@ -243,10 +274,10 @@ def chart(
         1, len(results), figsize=(6 * len(results), 4), sharey=True, squeeze=False
     )
     for axis, (run_name, arrivals) in zip(axes[0], results.items(), strict=True):
-        end = max((t[-1] for t in arrivals.values() if t), default=0.0)
-        for index, host in enumerate(HOSTS):
+        end = max((a.times[-1] for a in arrivals.values() if a.times), default=0.0)
+        for index, host in enumerate(DEMO_HOSTS):
             color = f"C{index}"
-            axis.plot(*rate_series(arrivals[host], end), color=color, label=host)
+            axis.plot(*rate_series(arrivals[host].times, end), color=color, label=host)
             limit = limits[host]
             if limit is not None:
                 axis.axhline(limit.rate, color=color, linestyle="--", linewidth=1)
@@ -262,8 +293,8 @@ def chart(
 
 def main() -> int:
     args = parse_args()
-    if not loopback_hosts_available(HOSTS):
-        print(f"This machine does not route {', '.join(HOSTS)} (Linux does by default).")
+    if not loopback_hosts_available(DEMO_HOSTS):
+        print(f"This machine does not route {', '.join(DEMO_HOSTS)} (Linux does by default).")
         return 1
     args.output = args.output.resolve()  # the workers run in the project directory
     args.output.mkdir(parents=True, exist_ok=True)
@@ -277,7 +308,7 @@ def main() -> int:
                 print(exc)
                 return 1
             print(f"Started a private redis-server at {redis_url}")
-        print("Limits: " + "   ".join(f"{h}: {limits[h] or 'unlimited'}" for h in HOSTS))
+        print("Limits: " + "   ".join(f"{h}: {limits[h] or 'unlimited'}" for h in DEMO_HOSTS))
         results = {}
         try:
             for run in runs(limits, baseline=not args.no_baseline):

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import warnings
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -186,16 +187,16 @@ def test_two_crawler_processes_share_one_budget(redis_server: RedisServer, site:
         for index in range(2)
     ]
     workers = start_crawl_workers(redis_server.url, jobs)
-    for stats in finish_crawl_workers(workers, timeout=60):
+    all_stats = finish_crawl_workers(workers, timeout=60)
+    for stats in all_stats:
         assert stats["test/responses"] == 10
+    # Each worker reserves its requests' moments in one pipelined batch, so their arrivals may
+    # come in two blocks: what shows that they crawled at the same time is their lifetimes.
+    started = max(datetime.fromisoformat(stats["start_time"]) for stats in all_stats)
+    finished = min(datetime.fromisoformat(stats["finish_time"]) for stats in all_stats)
+    assert (finished - started).total_seconds() > 1, "the two workers crawled at the same time"
 
-    arrivals = site.arrivals(A)
-    assert len(arrivals) == 20
-    first_half = [a.time for a in arrivals if int(a.path.rsplit("/", 1)[1]) < 10]
-    second_half = [a.time for a in arrivals if int(a.path.rsplit("/", 1)[1]) >= 10]
-    assert min(max(first_half), max(second_half)) > max(min(first_half), min(second_half)), (
-        "the two workers crawled at the same time"
-    )
+    assert len(site.arrivals(A)) == 20
     assert_paced(times(site, A), rate=4, burst=1, what="A, both workers together")
     assert achieved_rate(times(site, A), burst=1) >= 0.9 * 4
 
