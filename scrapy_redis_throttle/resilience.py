@@ -22,7 +22,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from redis.exceptions import RedisError
 from scrapy.utils.defer import maybe_deferred_to_future
@@ -32,7 +32,7 @@ from .bucket import AcquireResult, TokenBucket
 from .config import FALLBACK_LOCAL, FALLBACK_OPEN, redact_url
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable
 
     from redis.asyncio import Redis
     from scrapy.statscollectors import StatsCollector
@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from .config import Limit, ThrottleConfig
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 STATS_PREFIX = "redis_throttle"
 # The first probe of a failed Redis; later ones back off up to REDIS_THROTTLE_PROBE_INTERVAL.
@@ -232,16 +234,14 @@ class ResilientBucket:
             await self.breaker.wait_closed()
 
     async def _call_redis(self, key: str, limit: Limit, cost: float) -> AcquireResult | None:
-        self._stats.inc_value(f"{STATS_PREFIX}/redis_calls")
         openings = self._openings
-        try:
-            result = await self._bucket.acquire(
+        result = await self._guarded(
+            self._bucket.acquire(
                 key, limit, cost, self._config.max_reserve, busy_for=self.local.busy_for(key)
             )
-        except RedisError as exc:
-            self._failed(exc)
+        )
+        if result is None:
             return None
-        self._succeeded()
         self.local.follow(key, result)
         if openings != self._openings and self._config.on_redis_error == FALLBACK_LOCAL:
             # Redis answered a call sent before it failed: its moment was chosen without what
@@ -254,14 +254,20 @@ class ResilientBucket:
         """Pause *key* for the fleet (see :mod:`.penalties`); None when Redis could not be told."""
         if self.breaker.open_for() is not None:
             return None
+        return await self._guarded(
+            self._bucket.penalize(key, limit, retry_after, self._config.backoff)
+        )
+
+    async def _guarded(self, call: Awaitable[_T]) -> _T | None:
+        """Await a script *call*, counted; None when it failed (the breaker hears of both)."""
         self._stats.inc_value(f"{STATS_PREFIX}/redis_calls")
         try:
-            penalty = await self._bucket.penalize(key, limit, retry_after, self._config.backoff)
+            result = await call
         except RedisError as exc:
             self._failed(exc)
             return None
         self._succeeded()
-        return penalty
+        return result
 
     def _failed(self, exc: RedisError) -> None:
         self._stats.inc_value(f"{STATS_PREFIX}/redis_errors/{type(exc).__name__}")
