@@ -6,7 +6,8 @@ that no check is refused (the cost of the check, not of waiting):
 * minimal bucket: a raw EVALSHA of the smallest useful token bucket (TIME, HMGET, HSET, PEXPIRE),
   the floor any Redis rate limiter pays;
 * ours: ``ResilientBucket.acquire``, what the middleware awaits for every request (circuit
-  breaker, stats and local bookkeeping included);
+  breaker, stats and local bookkeeping included), with the adaptive rate off (the default) and
+  on (each call then also reads the domain's lowered rate, none here);
 * limits: its moving window on redis-py (``limits.aio``, ``implementation="redispy"``);
 * throttled-py: its GCRA limiter on redis-py (``throttled.asyncio``).
 
@@ -112,12 +113,13 @@ async def minimal_bucket(url: str, quota: Quota) -> Contender:
     return Contender("minimal bucket (raw EVALSHA)", check, client.aclose)
 
 
-async def ours(url: str, quota: Quota) -> Contender:
+async def ours(url: str, quota: Quota, adaptive: bool = False) -> Contender:
     settings = Settings(
         {
             "REDIS_THROTTLE_URL": url,
             "REDIS_THROTTLE_DEFAULT_RATE": quota.rate,
             "REDIS_THROTTLE_DEFAULT_BURST": quota.requests,
+            "REDIS_THROTTLE_ADAPTIVE_ENABLED": adaptive,
         }
     )
     config = ThrottleConfig.from_settings(settings)
@@ -133,7 +135,11 @@ async def ours(url: str, quota: Quota) -> Contender:
         await bucket.aclose()
         await client.aclose()
 
-    return Contender("scrapy-redis-throttle", check, close)
+    return Contender("scrapy-redis-throttle" + (", adaptive" if adaptive else ""), check, close)
+
+
+async def ours_adaptive(url: str, quota: Quota) -> Contender:
+    return await ours(url, quota, adaptive=True)
 
 
 async def limits_moving_window(url: str, quota: Quota) -> Contender:
@@ -177,7 +183,7 @@ async def throttled_gcra(url: str, quota: Quota) -> Contender:
     return Contender("throttled-py (GCRA)", check, nothing)
 
 
-CONTENDERS = [minimal_bucket, ours, limits_moving_window, throttled_gcra]
+CONTENDERS = [minimal_bucket, ours, ours_adaptive, limits_moving_window, throttled_gcra]
 
 
 def redis_info(admin: Redis) -> Callable[[], Awaitable[dict[str, float]]]:

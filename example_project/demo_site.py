@@ -56,6 +56,7 @@ class _Handler(BaseHTTPRequestHandler):
         arrived = time.monotonic(), time.time()
         robots = self.server.site.robots.get(self.server.host)
         error = self.server.site.next_error(self.server.host, self.path, arrived[0])
+        stall = self.server.site.next_stall(self.server.host, self.path)
         headers: Mapping[str, str] = {}
         if error is not None:
             (status, headers), body, content_type = error, "<html>try later</html>", "text/html"
@@ -68,13 +69,18 @@ class _Handler(BaseHTTPRequestHandler):
             Arrival(arrived[0], arrived[1], self.server.host, self.path, status)
         )
         data = body.encode()
-        self.send_response(status)
-        for name, value in headers.items():
-            self.send_header(name, value)
-        self.send_header("Content-Type", f"{content_type}; charset=utf-8")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        if stall and self.server.site.stalling(stall):
+            return  # the site is stopping: no answer
+        try:
+            self.send_response(status)
+            for name, value in headers.items():
+                self.send_header(name, value)
+            self.send_header("Content-Type", f"{content_type}; charset=utf-8")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client gave up (a stalled answer came too late for it)
 
     def _page(self) -> tuple[int, str]:
         pages = self.server.site.pages[self.server.host]
@@ -112,7 +118,9 @@ class DemoSite:
     *errors* gives, for some ``(host, path)``, the ``(status, headers)`` answers to the first
     requests for it, in turn (e.g. a 429 with ``Retry-After``); later requests get the page.
     *overload* gives, for some hosts, ``(requests, retry_after)``: a request that comes after
-    that many in the last second gets a 429 with ``Retry-After: retry_after``.
+    that many in the last second gets a 429 with ``Retry-After: retry_after``. *stalls* gives,
+    for some ``(host, path)``, the seconds the first request for it waits for its answer (a
+    download timeout for a client that waits less).
     """
 
     def __init__(
@@ -124,8 +132,11 @@ class DemoSite:
         robots: Mapping[str, str] | None = None,
         errors: Mapping[tuple[str, str], Sequence[tuple[int, Mapping[str, str]]]] | None = None,
         overload: Mapping[str, tuple[int, int]] | None = None,
+        stalls: Mapping[tuple[str, str], float] | None = None,
     ) -> None:
         self._overload = dict(overload or {})
+        self._stalls = dict(stalls or {})
+        self._stopping = threading.Event()
         self.hosts = hosts
         self.robots = dict(robots or {})
         self._errors = {where: list(answers) for where, answers in (errors or {}).items()}
@@ -162,6 +173,7 @@ class DemoSite:
         return self
 
     def stop(self) -> None:
+        self._stopping.set()
         for server in self._servers:
             server.shutdown()
             server.server_close()
@@ -195,6 +207,15 @@ class DemoSite:
             most, retry_after = self._overload[host]
             recent = sum(a.host == host and a.time > arrived - 1 for a in self._arrivals)
             return (429, {"Retry-After": str(retry_after)}) if recent >= most else None
+
+    def next_stall(self, host: str, path: str) -> float:
+        """Seconds the answer to this request waits (0: none; see *stalls*)."""
+        with self._lock:
+            return self._stalls.pop((host, path), 0.0)
+
+    def stalling(self, seconds: float) -> bool:
+        """Wait *seconds* (a stalled answer); True when the site stops meanwhile."""
+        return self._stopping.wait(seconds)
 
     def record(self, arrival: Arrival) -> None:
         with self._lock:

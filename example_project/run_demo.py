@@ -11,7 +11,8 @@ draws the requests per second of both runs into a PNG chart.
 
 The fourth domain, 127.0.0.5, takes less than its configured limit: it answers 429 (Retry-After:
 2) to more than 3 requests a second. With the shared budget, each 429 pauses it for the whole
-fleet; the baseline keeps sending.
+fleet and halves its rate (the adaptive rate), which then climbs back; the baseline keeps
+sending.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from scrapy.settings import Settings  # noqa: E402
 from shop.spiders.shop import ShopSpider  # noqa: E402
 
 from scrapy_redis_throttle import Limit, ThrottleConfig  # noqa: E402
+from scrapy_redis_throttle.bucket import rate_key  # noqa: E402
+from scrapy_redis_throttle.config import DEFAULT_KEY_PREFIX  # noqa: E402
 
 DEMO_HOSTS = [*HOSTS, OVERLOADED_HOST]
 PROGRESS_EVERY = 2.0
@@ -64,6 +67,8 @@ class Arrivals:
     """Seconds from the start of the run of each request answered 200, in order."""
     refused: int
     """Requests answered 429."""
+    adaptive_rate: float | None
+    """The rate the fleet last lowered the domain to, if it has not climbed back yet."""
 
 
 def parse_args() -> argparse.Namespace:
@@ -195,9 +200,18 @@ def crawl(run: Run, args: argparse.Namespace, redis_url: str) -> dict[str, Arriv
             h: Arrivals(
                 sorted(a.time - started for a in site.arrivals(h) if a.status == 200),
                 sum(a.status == 429 for a in site.arrivals(h)),
+                adaptive_rate(redis_url, h),
             )
             for h in DEMO_HOSTS
         }
+
+
+def adaptive_rate(redis_url: str, host: str) -> float | None:
+    """The rate the fleet last lowered *host* to, if its key is still there (the rate has not
+    climbed back to the configured one yet): see lua/slow_down.lua for the format."""
+    with redis.Redis.from_url(redis_url) as client:
+        state = client.get(rate_key(DEFAULT_KEY_PREFIX, host))
+    return None if state is None else float(state.split()[0])
 
 
 def report(
@@ -225,6 +239,7 @@ def report(
                 "run": run_name,
                 "requests": len(times),
                 "refused_429": arrivals[host].refused,
+                "adaptive_rate": arrivals[host].adaptive_rate,
                 "achieved_per_s": round(achieved, 3),
                 "times_limit": round(achieved / limit.rate, 2),
                 "busiest_1s": busiest_window(times, 1.0),
@@ -247,6 +262,12 @@ def report(
         f"window (burst + rate x window).\n{OVERLOADED_HOST} takes at most {OVERLOAD[0]} requests "
         f"a second: each 429 (Retry-After: {OVERLOAD[1]}) pauses it for the whole fleet."
     )
+    for row in rows:
+        if row["adaptive_rate"] is not None:
+            print(
+                f"The {row['run']} fleet last lowered {row['domain']}'s rate to "
+                f"{row['adaptive_rate']:.2f}/s (adaptive rate; it climbs back while no 429 comes)."
+            )
     return rows
 
 

@@ -13,6 +13,8 @@
 -- ARGV[5]  busy_for (optional, default 0): microseconds; the bucket is not full before now plus
 --          this, whatever it holds: the caller took tokens from its local fallback while Redis
 --          was unavailable, and they count here too
+-- KEYS[2]  (optional, with the adaptive rate) the domain's rate key (see slow_down.lua): while
+--          it holds a rate below the configured one, tokens refill at that rate
 --
 -- Returns {status, retry_after_us, reset_after_us}, integers (cheaper for Redis to reply than
 -- formatted floats; a microsecond is far below any rate's precision):
@@ -62,6 +64,14 @@ end
 local time = redis.call("TIME")
 local now = (tonumber(time[1]) - 1704067200) * 1000000 + tonumber(time[2])
 
+if KEYS[2] then
+  local rate, since, slope = string.match(redis.call("GET", KEYS[2]) or "", "^(%S+) (%S+) (%S+)")
+  if rate then
+    local lowered = tonumber(rate) + tonumber(slope) * math.max(0, now - tonumber(since))
+    interval = math.max(interval, 1000000 / lowered)
+  end
+end
+
 -- The state is an integer (microseconds), which Redis keeps inside the key's value object, with
 -- no string to allocate: as little memory per domain as any key with an expiry can take
 -- (bench/scale.py). Rounded up, to the polite side.
@@ -71,7 +81,9 @@ if tat == nil or tat < now + busy_for then
 end
 
 local new_tat = math.ceil(tat + cost * interval)
-local wait = math.max(0, math.ceil(new_tat - burst * interval - now))
+-- From the unrounded time, to the nearest µs: with an interval that is no whole number of µs,
+-- rounding up made the first request of a full bucket wait 1 µs instead of going.
+local wait = math.max(0, math.floor(tat + (cost - burst) * interval - now + 0.5))
 if wait > reserve then
   return {0, wait, math.ceil(tat - now)}
 end

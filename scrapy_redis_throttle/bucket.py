@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from .config import Backoff, Limit
+from .config import Adaptive, Backoff, Limit
 from .scripts import LuaScript
 
 if TYPE_CHECKING:
@@ -22,6 +22,7 @@ class AcquireResult:
     reserved: bool
     """The request's tokens are taken for later: it must go in ``retry_after`` seconds."""
     tokens_left: float
+    """At the configured rate (the adaptive rate may be lower)."""
     retry_after: float
     """Seconds until this request may go (0 when allowed)."""
     reset_after: float
@@ -68,6 +69,11 @@ def penalty_key(prefix: str, domain: str) -> str:
     return bucket_key(prefix, domain) + ":penalty"
 
 
+def rate_key(prefix: str, domain: str) -> str:
+    """The domain's adaptive rate (see ``lua/slow_down.lua``), in the same Cluster slot."""
+    return bucket_key(prefix, domain) + ":rate"
+
+
 def penalty_channel(prefix: str) -> str:
     """Where pauses are published, for every worker of the fleet."""
     return f"{prefix}:penalties"
@@ -104,6 +110,21 @@ class Penalty:
     """Penalties in a row (each one after the previous pause ended)."""
 
 
+@dataclass(frozen=True)
+class SlowDown:
+    lowered: bool
+    """This call lowered the rate (else the failed request was sent before the last decrease,
+    or the rate cannot go lower)."""
+    rate: float
+    """The domain's rate now, requests per second."""
+    back_in: float
+    """When lowered: seconds until the rate is back at the configured one, if no failure
+    comes."""
+    void: float
+    """When lowered: seconds the moments reserved before lasted; the requests holding them
+    must ask again (the decrease is published like a pause this long)."""
+
+
 # The probe's own bucket: "#" and something other than a SHA-256 is no domain's tag.
 _PROBE_KEY_TAG = "#probe"
 
@@ -111,19 +132,23 @@ _PROBE_KEY_TAG = "#probe"
 class TokenBucket:
     """Per-domain token buckets stored in one Redis, shared by every process that uses it."""
 
-    def __init__(self, redis: Redis, key_prefix: str) -> None:
+    def __init__(self, redis: Redis, key_prefix: str, adaptive: bool = False) -> None:
         self._key_prefix = key_prefix
+        self._adaptive = adaptive
         self._script = LuaScript(redis, "token_bucket.lua")
         self._penalty_script = LuaScript(redis, "penalty.lua")
+        self._slow_down_script = LuaScript(redis, "slow_down.lua")
 
     async def acquire(
         self, domain: str, limit: Limit, cost: float = 1, reserve: float = 0, busy_for: float = 0
     ) -> AcquireResult:
         """Take *cost* tokens from *domain*'s bucket if it has them, or reserve them if they will
         be there within *reserve* seconds (atomically, in one call). The bucket counts as empty
-        for at least *busy_for* seconds (tokens the caller took while Redis was unavailable)."""
+        for at least *busy_for* seconds (tokens the caller took while Redis was unavailable).
+        With the adaptive rate, tokens refill at the domain's lowered rate, if it has one."""
+        key = bucket_key(self._key_prefix, domain)
         reply: list[Any] = await self._script(
-            keys=[bucket_key(self._key_prefix, domain)],
+            keys=[key, rate_key(self._key_prefix, domain)] if self._adaptive else [key],
             args=script_args(limit, cost, reserve, busy_for),
         )
         return parse_reply(reply, limit)
@@ -148,9 +173,31 @@ class TokenBucket:
         )
         return Penalty(changed == 1, pause_us / 1e6, strikes)
 
+    async def slow_down(
+        self, domain: str, limit: Limit, adaptive: Adaptive, age: float, hold: float = 0
+    ) -> SlowDown:
+        """Lower *domain*'s rate for every worker (unless the failed request, sent *age*
+        seconds ago, was sent before the last decrease); it climbs back after *hold* seconds.
+        The moments reserved before are void: see ``lua/slow_down.lua``."""
+        lowered, rate, back_in_us, void_us = await self._slow_down_script(
+            keys=[bucket_key(self._key_prefix, domain), rate_key(self._key_prefix, domain)],
+            args=[
+                repr(limit.rate),
+                repr(adaptive.min_rate),
+                repr(adaptive.decrease),
+                repr(adaptive.recovery * 1e6),
+                repr(age * 1e6),
+                repr(hold * 1e6),
+                limit.burst,
+                penalty_channel(self._key_prefix),
+                domain,
+            ],
+        )
+        return SlowDown(lowered == 1, float(rate), back_in_us / 1e6, void_us / 1e6)
+
     async def aclose(self) -> None:
-        await self._script.aclose()
-        await self._penalty_script.aclose()
+        for script in (self._script, self._penalty_script, self._slow_down_script):
+            await script.aclose()
 
     async def probe(self) -> None:
         """Run the script as an acquire would, on a bucket of its own that no domain uses and

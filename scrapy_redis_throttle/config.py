@@ -18,6 +18,8 @@ from urllib.parse import urlsplit, urlunsplit
 from scrapy.exceptions import NotConfigured
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from scrapy.crawler import Crawler
     from scrapy.settings import BaseSettings
 
@@ -36,6 +38,10 @@ DEFAULT_PENALTY_HTTP_CODES = (429, 503)
 DEFAULT_PENALTY_BACKOFF = 2.0
 DEFAULT_MAX_PAUSE = 600.0
 DEFAULT_PENALTY_DECAY = 60.0
+# AutoThrottle's AUTOTHROTTLE_MAX_DELAY is 60 s too.
+DEFAULT_ADAPTIVE_MIN_RATE = "1/m"
+DEFAULT_ADAPTIVE_DECREASE = 0.5
+DEFAULT_ADAPTIVE_RECOVERY = 600.0
 DEFAULT_FALLBACK_WORKERS = 1
 # REDIS_THROTTLE_ON_REDIS_ERROR: what requests do while Redis fails (see resilience.py).
 FALLBACK_LOCAL = "local"
@@ -109,6 +115,19 @@ class Backoff:
     """Time after a pause without a penalty that undoes one doubling."""
 
 
+@dataclass(frozen=True)
+class Adaptive:
+    """The adaptive rate: a domain's rate for the fleet, lowered when its site struggles."""
+
+    min_rate: float
+    """The floor, requests per second (a domain configured slower keeps its rate)."""
+    decrease: float
+    """Each 429/503 pause or timeout multiplies the rate by this (0 < decrease < 1)."""
+    recovery: float
+    """Seconds the rate takes to climb back from the floor to the configured rate, linearly,
+    while no failure comes."""
+
+
 def parse_rate(value: object, *, source: str) -> float:
     """Return requests per second from ``"5/s"``, ``"100/m"``, ``"1/10s"``, ``"3/min"`` or a number.
 
@@ -176,6 +195,11 @@ def parse_limit(value: object, *, default_burst: int, source: str) -> Limit | No
         return Limit(rate, burst, _rate_text(value["rate"], rate))
     rate = parse_rate(value, source=source)
     return Limit(rate, default_burst, _rate_text(value, rate))
+
+
+def format_rate(rate: float) -> str:
+    """*rate* (requests per second) for people: ``"2.5/s"``, or ``"1/60s"`` below one a second."""
+    return f"{rate:.3g}/s" if rate >= 1 else f"1/{1 / rate:.3g}s"
 
 
 def _rate_text(value: object, rate: float) -> str:
@@ -279,6 +303,8 @@ class ThrottleConfig:
     """Response statuses that pause their domain for the fleet (empty: none)."""
     backoff: Backoff
     """How long such a pause is when the response has no Retry-After, and the longest."""
+    adaptive: Adaptive | None
+    """The adaptive rate, None when ``REDIS_THROTTLE_ADAPTIVE_ENABLED`` is off."""
 
     @classmethod
     def from_crawler(cls, crawler: Crawler) -> ThrottleConfig:
@@ -350,6 +376,7 @@ class ThrottleConfig:
                     settings, "REDIS_THROTTLE_PENALTY_DECAY", DEFAULT_PENALTY_DECAY, 0.001
                 ),
             ),
+            adaptive=_adaptive(settings),
             crawl_delay=_flag(settings, "REDIS_THROTTLE_CRAWL_DELAY_ENABLED", default=True),
             max_crawl_delay=_seconds(
                 settings, "REDIS_THROTTLE_MAX_CRAWL_DELAY", DEFAULT_MAX_CRAWL_DELAY, minimum=0.001
@@ -362,16 +389,53 @@ class ThrottleConfig:
 
 
 def _seconds(settings: BaseSettings, name: str, default: float, minimum: float) -> float:
+    return _number(
+        settings,
+        name,
+        default,
+        lambda seconds: math.isfinite(seconds) and seconds >= minimum,
+        f"a number of seconds >= {minimum:g}",
+    )
+
+
+def _number(
+    settings: BaseSettings,
+    name: str,
+    default: float,
+    valid: Callable[[float], bool],
+    expected: str,
+) -> float:
+    """The setting as a float, when *valid* (NaN, from anything that is no number, is not)."""
     value = _get(settings, name, default)
     try:
-        seconds = float(value)
+        number = float(value)
     except (TypeError, ValueError):
-        seconds = math.nan
-    if isinstance(value, bool) or not math.isfinite(seconds) or seconds < minimum:
-        raise ThrottleConfigError(
-            f"{name} must be a number of seconds >= {minimum:g}, got {value!r}"
-        )
-    return seconds
+        number = math.nan
+    if isinstance(value, bool) or not valid(number):
+        raise ThrottleConfigError(f"{name} must be {expected}, got {value!r}")
+    return number
+
+
+def _adaptive(settings: BaseSettings) -> Adaptive | None:
+    if not _flag(settings, "REDIS_THROTTLE_ADAPTIVE_ENABLED", default=False):
+        return None
+    decrease = _number(
+        settings,
+        "REDIS_THROTTLE_ADAPTIVE_DECREASE",
+        DEFAULT_ADAPTIVE_DECREASE,
+        lambda number: 0 < number < 1,
+        "a number between 0 and 1 (both excluded)",
+    )
+    return Adaptive(
+        min_rate=parse_rate(
+            _get(settings, "REDIS_THROTTLE_ADAPTIVE_MIN_RATE", DEFAULT_ADAPTIVE_MIN_RATE),
+            source="REDIS_THROTTLE_ADAPTIVE_MIN_RATE",
+        ),
+        decrease=decrease,
+        recovery=_seconds(
+            settings, "REDIS_THROTTLE_ADAPTIVE_RECOVERY", DEFAULT_ADAPTIVE_RECOVERY, 0.001
+        ),
+    )
 
 
 def _status_codes(settings: BaseSettings, name: str) -> frozenset[int]:

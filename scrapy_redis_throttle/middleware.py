@@ -16,6 +16,9 @@ Settings (see README.md for the full reference):
 * ``REDIS_THROTTLE_PENALTY_HTTP_CODES``, ``REDIS_THROTTLE_PENALTY_BACKOFF``,
   ``REDIS_THROTTLE_MAX_PAUSE``, ``REDIS_THROTTLE_PENALTY_DECAY`` - responses that pause their
   domain for the whole fleet (see :mod:`scrapy_redis_throttle.penalties`)
+* ``REDIS_THROTTLE_ADAPTIVE_ENABLED``, ``REDIS_THROTTLE_ADAPTIVE_MIN_RATE``,
+  ``REDIS_THROTTLE_ADAPTIVE_DECREASE``, ``REDIS_THROTTLE_ADAPTIVE_RECOVERY`` - a domain's rate
+  for the fleet, lowered on those pauses and on download timeouts, climbing back meanwhile
 * ``REDIS_THROTTLE_CRAWL_DELAY_ENABLED``, ``REDIS_THROTTLE_MAX_CRAWL_DELAY`` - robots.txt
   ``Crawl-delay`` as a host's limit (see :mod:`scrapy_redis_throttle.crawl_delay`)
 * ``REDIS_THROTTLE_KEY_PREFIX``
@@ -32,12 +35,20 @@ import math
 import random
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from scrapy import signals
+from scrapy import exceptions, signals
 from scrapy.utils.asyncio import is_asyncio_available
 from scrapy.utils.misc import load_object
+from twisted.internet.error import TCPTimedOutError
+from twisted.internet.error import TimeoutError as TwistedTimeoutError
 
 from .bucket import penalty_channel
-from .config import InvalidThrottleMeta, ThrottleConfig, ThrottleConfigError, redact_url
+from .config import (
+    InvalidThrottleMeta,
+    ThrottleConfig,
+    ThrottleConfigError,
+    format_rate,
+    redact_url,
+)
 from .connection import connect
 from .crawl_delay import CrawlDelays
 from .penalties import Pauses, parse_retry_after
@@ -58,6 +69,14 @@ logger = logging.getLogger(__name__)
 # A parked request given back later than this after its reserved moment asks for a new one:
 # going that late would squeeze it against the next request's moment.
 LATE_RELEASE = 0.05
+# When the request left for the download (loop time), for the adaptive rate.
+SENT_META = "_redis_throttle_sent_at"
+# Download timeouts: Scrapy's own exception since 2.19, Twisted's before (and TCP connects').
+DOWNLOAD_TIMEOUTS = (
+    getattr(exceptions, "DownloadTimeoutError", TwistedTimeoutError),
+    TwistedTimeoutError,
+    TCPTimedOutError,
+)
 
 
 class RedisThrottleMiddleware:
@@ -101,8 +120,22 @@ class RedisThrottleMiddleware:
         crawl_delay = self.crawl_delays.describe()
         if crawl_delay is not None:
             logger.info("Redis throttle: %s", crawl_delay, extra={"spider": spider})
+        adaptive = self.config.adaptive
+        if adaptive is not None:
+            codes = "/".join(map(str, sorted(self.config.penalty_codes)))
+            logger.info(
+                "Redis throttle: adaptive rate: each %sdownload timeout multiplies a domain's "
+                "rate by %g (down to %s); it climbs back to the configured rate within %g s "
+                "without failures",
+                f"pause after a {codes} and each " if codes else "",
+                adaptive.decrease,
+                format_rate(adaptive.min_rate),
+                adaptive.recovery,
+                extra={"spider": spider},
+            )
         await self.budget.check()
-        if self.config.penalty_codes:
+        # Pauses, and the decreases of adaptive rates, void reservations of every worker.
+        if self.config.penalty_codes or adaptive is not None:
             self.pauses.start()
 
     async def _spider_closed(self, spider: Spider) -> None:
@@ -133,7 +166,7 @@ class RedisThrottleMiddleware:
             if release["go_at"] - started >= -LATE_RELEASE:
                 await sleep(release["go_at"] - started)
                 if self._may_go(key):
-                    self._went(started, delayed=True)
+                    self._went(request, started, delayed=True)
                     return None
             else:
                 stats.inc_value(f"{STATS_PREFIX}/released_late")  # its moment passed: ask again
@@ -149,7 +182,7 @@ class RedisThrottleMiddleware:
                 await sleep(paused)
                 continue
             if result.allowed:
-                self._went(started, delayed)
+                self._went(request, started, delayed)
                 return None
             if self.parking and result.retry_after > self.config.max_hold:
                 return self._park(request, key, limit, result)
@@ -168,7 +201,7 @@ class RedisThrottleMiddleware:
             if result.reserved:
                 await sleep(result.retry_after)
                 if self._may_go(key):
-                    self._went(started, delayed)
+                    self._went(request, started, delayed)
                     return None
                 continue
             # Too far ahead to reserve: come back when it is not.
@@ -177,16 +210,10 @@ class RedisThrottleMiddleware:
     async def process_response(self, request: Request, response: Response) -> Response:
         """A response whose status is one of ``REDIS_THROTTLE_PENALTY_HTTP_CODES`` pauses its
         domain for every worker (before RetryMiddleware, at 550, retries the request)."""
-        meta = request.meta
-        if (
-            response.status not in self.config.penalty_codes
-            or meta.get("dont_redis_throttle")
-            or meta.get("redis_throttle_penalty", True) is False
-        ):
+        if response.status not in self.config.penalty_codes:
             return response
-        key = self._key(request)
-        limit = self._limit(key)
-        if limit is None:  # unthrottled: no bucket to pause
+        key, limit = self._penalized(request)
+        if limit is None:
             return response
         self.stats.inc_value(f"{STATS_PREFIX}/penalties/{response.status}")
         retry_after = parse_retry_after(
@@ -227,7 +254,49 @@ class RedisThrottleMiddleware:
             },
             extra=self._log_extra(),
         )
+        await self._slow_down(request, key, limit, f"{response.status} from {key!r}", penalty.pause)
         return response
+
+    async def process_exception(self, request: Request, exception: Exception) -> None:
+        """A download timeout lowers its domain's adaptive rate, if that is on."""
+        if self.config.adaptive is None or not isinstance(exception, DOWNLOAD_TIMEOUTS):
+            return
+        key, limit = self._penalized(request)
+        if limit is not None:
+            self.stats.inc_value(f"{STATS_PREFIX}/adaptive/timeouts")
+            await self._slow_down(request, key, limit, f"download timeout at {key!r}")
+
+    def _penalized(self, request: Request) -> tuple[str, Limit | None]:
+        """The key and limit a failure of *request* counts against (no limit: against none,
+        the request is not throttled or opted out)."""
+        meta = request.meta
+        if meta.get("dont_redis_throttle") or meta.get("redis_throttle_penalty", True) is False:
+            return "", None
+        key = self._key(request)
+        return key, self._limit(key)
+
+    async def _slow_down(
+        self, request: Request, key: str, limit: Limit, cause: str, hold: float = 0
+    ) -> None:
+        """Lower *key*'s adaptive rate for the fleet after a failure of *request*."""
+        now = asyncio.get_running_loop().time()
+        sent_at = request.meta.get(SENT_META, now)
+        slowdown = await self.budget.slow_down(key, limit, max(0.0, now - sent_at), hold)
+        if slowdown is None or not slowdown.lowered:
+            return
+        self.pauses.pause(key, slowdown.void)  # this worker's reservations, before the message
+        self.stats.inc_value(f"{STATS_PREFIX}/adaptive/lowered")
+        logger.info(
+            "Redis throttle: %(cause)s: its rate for the fleet is now %(rate)s (configured: "
+            "%(limit)s); without failures it is back in %(back).0f s",
+            {
+                "cause": cause,
+                "rate": format_rate(slowdown.rate),
+                "limit": limit,
+                "back": slowdown.back_in,
+            },
+            extra=self._log_extra(),
+        )
 
     def _limit(self, key: str) -> Limit | None:
         """The limit of requests throttled under *key* ("" for data: and file: URLs: None)."""
@@ -243,9 +312,11 @@ class RedisThrottleMiddleware:
             return False
         return True
 
-    def _went(self, started: float, delayed: bool) -> None:
+    def _went(self, request: Request, started: float, delayed: bool) -> None:
         """Count a request that leaves for the download."""
         stats = self.stats
+        if self.config.adaptive is not None:
+            request.meta[SENT_META] = asyncio.get_running_loop().time()
         stats.inc_value(f"{STATS_PREFIX}/requests")
         if not delayed:
             stats.inc_value(f"{STATS_PREFIX}/allowed_immediately")

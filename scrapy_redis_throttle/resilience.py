@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from redis.asyncio import Redis
     from scrapy.statscollectors import StatsCollector
 
-    from .bucket import Penalty
+    from .bucket import Penalty, SlowDown
     from .config import Limit, ThrottleConfig
 
 logger = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ class ResilientBucket:
         log_extra: Callable[[], dict[str, Any]],
     ) -> None:
         self._redis = redis
-        self._bucket = TokenBucket(redis, config.key_prefix)
+        self._bucket = TokenBucket(redis, config.key_prefix, adaptive=config.adaptive is not None)
         self._config = config
         self._stats = stats
         self._log_extra = log_extra
@@ -257,6 +257,16 @@ class ResilientBucket:
         return await self._guarded(
             self._bucket.penalize(key, limit, retry_after, self._config.backoff)
         )
+
+    async def slow_down(
+        self, key: str, limit: Limit, age: float, hold: float = 0
+    ) -> SlowDown | None:
+        """Lower *key*'s adaptive rate for the fleet (see :meth:`TokenBucket.slow_down`); None
+        when the adaptive rate is off or Redis could not be told."""
+        adaptive = self._config.adaptive
+        if adaptive is None or self.breaker.open_for() is not None:
+            return None
+        return await self._guarded(self._bucket.slow_down(key, limit, adaptive, age, hold))
 
     async def _guarded(self, call: Awaitable[_T]) -> _T | None:
         """Await a script *call*, counted; None when it failed (the breaker hears of both)."""

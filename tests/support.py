@@ -5,19 +5,48 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Coroutine, Generator
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import pytest_twisted
 from processes import WORKER, finish_crawl_workers, start_crawl_workers, wait_until
+from redis.asyncio import Redis
 from scrapy.crawler import CrawlerRunner
 from scrapy.utils.defer import deferred_from_coro, maybe_deferred_to_future
 from spiders import BASE_SETTINGS, UrlListSpider
 from twisted.internet.defer import Deferred
 
+from scrapy_redis_throttle.bucket import TokenBucket
+
 if TYPE_CHECKING:
+    import redis
     from demo_site import DemoSite
+    from local_redis import RedisServer
     from scrapy.crawler import Crawler
+
+# The scripts count time in µs from this epoch (see lua/token_bucket.lua).
+EPOCH = 1704067200
+
+
+def redis_now_us(client: redis.Redis) -> int:
+    """Redis's time as the scripts count it."""
+    seconds, micros = client.time()
+    return int((seconds - EPOCH) * 1_000_000 + micros)
+
+
+@asynccontextmanager
+async def token_bucket(
+    server: RedisServer, prefix: str = "ns", adaptive: bool = False
+) -> AsyncIterator[TokenBucket]:
+    """A worker's view of the shared buckets in *server*, as the middleware has it."""
+    client = Redis.from_url(server.url)
+    bucket = TokenBucket(client, prefix, adaptive=adaptive)
+    try:
+        yield bucket
+    finally:
+        await bucket.aclose()
+        await client.aclose()
 
 
 async def wait_until_async(
@@ -105,8 +134,10 @@ __all__ = [
     "crawl_settings",
     "finish_crawl_workers",
     "pages",
+    "redis_now_us",
     "run_crawl",
     "start_crawl_workers",
+    "token_bucket",
     "wait_until",
     "wait_until_async",
 ]

@@ -10,10 +10,12 @@ from scrapy.settings import Settings
 
 from scrapy_redis_throttle.config import (
     DEFAULT_REDIS_PARAMS,
+    Adaptive,
     Backoff,
     Limit,
     ThrottleConfig,
     ThrottleConfigError,
+    format_rate,
     parse_rate,
     queue_redis_connection,
     redact_url,
@@ -78,6 +80,26 @@ def test_defaults() -> None:
     assert (cfg.crawl_delay, cfg.max_crawl_delay) == (True, 30.0)
     assert cfg.penalty_codes == {429, 503}
     assert cfg.backoff == Backoff(first=2.0, longest=600.0, decay=60.0)
+    assert cfg.adaptive is None
+
+
+@pytest.mark.parametrize(
+    ("rate", "text"), [(5, "5/s"), (2.5, "2.5/s"), (1, "1/s"), (0.5, "1/2s"), (1 / 60, "1/60s")]
+)
+def test_rates_in_logs(rate: float, text: str) -> None:
+    assert format_rate(rate) == text
+
+
+def test_adaptive_rate_defaults_and_settings() -> None:
+    assert config(REDIS_THROTTLE_ADAPTIVE_ENABLED=True).adaptive == Adaptive(
+        min_rate=1 / 60, decrease=0.5, recovery=600.0
+    )
+    assert config(
+        REDIS_THROTTLE_ADAPTIVE_ENABLED="true",
+        REDIS_THROTTLE_ADAPTIVE_MIN_RATE="1/10s",
+        REDIS_THROTTLE_ADAPTIVE_DECREASE="0.7",
+        REDIS_THROTTLE_ADAPTIVE_RECOVERY="120",
+    ).adaptive == Adaptive(min_rate=0.1, decrease=0.7, recovery=120.0)
 
 
 def test_parking_uses_scrapy_redis_own_connection() -> None:
@@ -168,6 +190,9 @@ def test_describe_lists_effective_limits() -> None:
     ]
 
 
+ADAPTIVE = {"REDIS_THROTTLE_ADAPTIVE_ENABLED": True}
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -204,6 +229,13 @@ def test_describe_lists_effective_limits() -> None:
         ({"REDIS_THROTTLE_CRAWL_DELAY_ENABLED": "maybe"}, "REDIS_THROTTLE_CRAWL_DELAY_ENABLED must be True or False \\(or 1, 0, 'true', 'false'\\), got 'maybe'"),
         ({"REDIS_THROTTLE_ENABLED": "perhaps"}, "REDIS_THROTTLE_ENABLED must be True or False"),
         ({"REDIS_THROTTLE_MAX_HOLD": float("nan")}, "REDIS_THROTTLE_MAX_HOLD must be a number of seconds >= 0, got nan"),
+        ({"REDIS_THROTTLE_ADAPTIVE_ENABLED": "sometimes"}, "REDIS_THROTTLE_ADAPTIVE_ENABLED must be True or False"),
+        ({**ADAPTIVE, "REDIS_THROTTLE_ADAPTIVE_DECREASE": 1}, "REDIS_THROTTLE_ADAPTIVE_DECREASE must be a number between 0 and 1 \\(both excluded\\), got 1"),
+        ({**ADAPTIVE, "REDIS_THROTTLE_ADAPTIVE_DECREASE": 0}, "REDIS_THROTTLE_ADAPTIVE_DECREASE must be a number between 0 and 1 \\(both excluded\\), got 0"),
+        ({**ADAPTIVE, "REDIS_THROTTLE_ADAPTIVE_DECREASE": "half"}, "REDIS_THROTTLE_ADAPTIVE_DECREASE must be a number between 0 and 1 \\(both excluded\\), got 'half'"),
+        ({**ADAPTIVE, "REDIS_THROTTLE_ADAPTIVE_DECREASE": True}, "REDIS_THROTTLE_ADAPTIVE_DECREASE must be a number between 0 and 1 \\(both excluded\\), got True"),
+        ({**ADAPTIVE, "REDIS_THROTTLE_ADAPTIVE_MIN_RATE": "0/s"}, "REDIS_THROTTLE_ADAPTIVE_MIN_RATE: rate must be positive and finite, got '0/s'"),
+        ({**ADAPTIVE, "REDIS_THROTTLE_ADAPTIVE_RECOVERY": -5}, "REDIS_THROTTLE_ADAPTIVE_RECOVERY must be a number of seconds >= 0.001, got -5"),
         ({"REDIS_THROTTLE_MAX_RESERVE": "soon"}, "REDIS_THROTTLE_MAX_RESERVE must be a number of seconds >= 1, got 'soon'"),
     ],
 )  # fmt: skip

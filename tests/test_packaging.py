@@ -18,7 +18,9 @@ def test_installed_wheel_finds_the_lua_scripts(tmp_path: Path) -> None:
     )  # fmt: skip
     (wheel,) = (tmp_path / "dist").glob("scrapy_redis_throttle-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "scrapy_redis_throttle/lua/token_bucket.lua" in names
+    scripts = sorted(path.name for path in (ROOT / "lua").glob("*.lua"))
+    assert "slow_down.lua" in scripts
+    assert [name for name in scripts if f"scrapy_redis_throttle/lua/{name}" not in names] == []
     assert "scrapy_redis_throttle/py.typed" in names
 
     target = tmp_path / "site"

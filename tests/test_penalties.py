@@ -5,14 +5,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import pytest
 import redis
 from demo_site import HOSTS, DemoSite
 from local_redis import RedisServer
-from redis.asyncio import Redis
 from scrapy.crawler import CrawlerRunner
 from scrapy.utils.defer import maybe_deferred_to_future
 from spiders import UrlListSpider
@@ -22,13 +19,14 @@ from support import (
     crawl_settings,
     finish_crawl_workers,
     pages,
+    redis_now_us,
     run_crawl,
     start_crawl_workers,
+    token_bucket,
     wait_until_async,
 )
 
 from scrapy_redis_throttle.bucket import (
-    TokenBucket,
     bucket_key,
     penalty_channel,
     penalty_key,
@@ -39,8 +37,6 @@ from scrapy_redis_throttle.penalties import parse_retry_after
 A, B, C = HOSTS
 LIMIT = Limit(5, 2, "5/s")
 BACKOFF = Backoff(first=1.0, longest=600.0, decay=60.0)
-# The scripts count time in µs from this epoch (see lua/token_bucket.lua).
-EPOCH = 1704067200
 
 
 @pytest.mark.parametrize(
@@ -61,17 +57,6 @@ def test_retry_after_seconds_or_http_date(
     value: bytes | None, date: bytes | None, expected: float | None
 ) -> None:
     assert parse_retry_after(value, date) == expected
-
-
-@asynccontextmanager
-async def token_bucket(server: RedisServer, prefix: str = "ns") -> AsyncIterator[TokenBucket]:
-    client = Redis.from_url(server.url)
-    bucket = TokenBucket(client, prefix)
-    try:
-        yield bucket
-    finally:
-        await bucket.aclose()
-        await client.aclose()
 
 
 @async_test
@@ -118,8 +103,7 @@ async def test_answers_to_requests_sent_before_the_pause_do_not_add_to_it(
 def set_penalty_state(server: RedisServer, strikes: int, ended_ago: float) -> None:
     """As if *strikes* penalties in a row had been taken, the last pause ended *ended_ago* s ago."""
     with server.client() as client:
-        seconds, micros = client.time()
-        now = (seconds - EPOCH) * 1_000_000 + micros
+        now = redis_now_us(client)
         client.hset(
             penalty_key("ns", "shop.example"),
             mapping={"strikes": strikes, "until": int(now - ended_ago * 1e6)},

@@ -22,6 +22,11 @@ REDIS_URL = os.environ.get("REDIS_URL", "redis://localhost:6379/0")
 ADDONS = {"scrapy_redis_throttle.Addon": 500}
 # Domains the spider does not list get this shared limit ("unlimited" or None: no limit).
 REDIS_THROTTLE_DEFAULT_RATE = "1/s"
+# A 429 or 503 pauses its domain for the whole fleet (REDIS_THROTTLE_PENALTY_HTTP_CODES); with the
+# adaptive rate, each such pause, and each download timeout, also halves the domain's rate for
+# the fleet, which then climbs back to the configured rate (from the floor, 1/m, in 60 s here).
+REDIS_THROTTLE_ADAPTIVE_ENABLED = True
+REDIS_THROTTLE_ADAPTIVE_RECOVERY = 60
 # If Redis fails, each worker paces each domain itself at 1/N of its rate (N: the fleet's size,
 # which ./run demo passes with -s), until Redis is back and the limits are shared again.
 REDIS_THROTTLE_ON_REDIS_ERROR = "local"

@@ -22,7 +22,7 @@ class ShopSpider(RedisSpider):  # type: ignore[misc]
         "127.0.0.3": {"rate": "2/s", "burst": 3},
         "127.0.0.4": "1/2s",  # below one request per second
         # More than this site takes (3 a second): it answers 429 with Retry-After, and each 429
-        # pauses it for the whole fleet.
+        # pauses it for the whole fleet and halves its rate (the adaptive rate, in settings.py).
         "127.0.0.5": "5/s",
     }
 
