@@ -118,6 +118,15 @@ def test_rates_below_one_per_second(bucket: Bucket) -> None:
     assert 3_599_000 < reset_ms <= 3_600_000
 
 
+@pytest.mark.parametrize("rate", [3, 7, 1 / 3])
+def test_a_full_bucket_lets_the_request_go_whatever_the_interval(
+    bucket: Bucket, rate: float
+) -> None:
+    # 1e6 / rate µs is no whole number: rounding it must not reserve the first token for 1 µs.
+    status, _, retry_ms, _ = bucket.reserve(rate=rate, burst=1, ahead=300)
+    assert (status, retry_ms) == (1, 0)
+
+
 def test_high_rates_are_exact_to_the_microsecond(bucket: Bucket) -> None:
     assert bucket.call(rate=5000, burst=1)[0]
     allowed, _, retry_ms, _ = bucket.call(rate=5000, burst=1)
