@@ -67,8 +67,10 @@ redis.call("HSET", KEYS[2], "strikes", strikes, "until", string.format("%d", new
 redis.call("PEXPIRE", KEYS[2], math.ceil((pause + decay * strikes) / 1000))
 -- No token before the pause ends, and none to spare at its end: the domain starts again at
 -- its rate, without a burst.
-local tat = tonumber(redis.call("GET", KEYS[1])) or 0
-tat = math.max(tat, new_until + (burst - 1) * interval)
-redis.call("SET", KEYS[1], string.format("%d", tat), "PX", math.ceil((tat - now) / 1000))
+-- A limit set live follows the bucket's time in its value (see token_bucket.lua): kept.
+local tat, live = string.match(redis.call("GET", KEYS[1]) or "", "^(%d*)(.*)$")
+tat = math.max(tonumber(tat) or 0, new_until + (burst - 1) * interval)
+redis.call("SET", KEYS[1], string.format("%d", tat) .. live,
+  unpack(live == "" and {"PX", math.ceil((tat - now) / 1000)} or {}))
 redis.call("PUBLISH", ARGV[7], string.format("%d", pause) .. " " .. ARGV[8])
 return {1, pause, strikes}

@@ -45,13 +45,17 @@ if not (numbers and rate > 0 and floor > 0 and decrease > 0 and decrease < 1 and
     .. "floor > 0, 0 < decrease < 1, recovery > 0, age >= 0, hold >= 0, burst >= 1; got "
     .. table.concat(ARGV, " ", 1, math.min(#ARGV, 7)))
 end
-floor = math.min(floor, rate)
-if floor == rate then
-  return {0, ARGV[1], 0, 0}
-end
-
 local time = redis.call("TIME")
 local now = (tonumber(time[1]) - 1704067200) * 1000000 + tonumber(time[2])
+
+-- A limit set live follows the bucket's time in its value (see token_bucket.lua): its rate, if
+-- it sets one, is the configured rate here; the value is kept.
+local tat, live = string.match(redis.call("GET", KEYS[1]) or "", "^(%d*)(.*)$")
+rate = tonumber(string.match(live, "^ (%S+)")) or rate
+floor = math.min(floor, rate)
+if floor == rate then
+  return {0, string.format("%.17g", rate), 0, 0}
+end
 
 local current = rate
 local was, since, slope, lowered_at = string.match(
@@ -73,10 +77,10 @@ redis.call("SET", KEYS[2], string.format("%.17g %d %.17g %d", lowered, now + hol
 
 -- The bucket starts again after the hold, at the new rate and without a burst (as after a
 -- pause); a bucket that is full by then expires at once.
-local void = math.max(0, math.ceil((tonumber(redis.call("GET", KEYS[1])) or now) - now))
-local tat = math.ceil(now + hold + (burst - 1) * 1000000 / lowered)
-redis.call("SET", KEYS[1], string.format("%d", tat),
-  "PX", math.max(1, math.ceil((tat - now) / 1000)))
+local void = math.max(0, math.ceil((tonumber(tat) or now) - now))
+tat = math.ceil(now + hold + (burst - 1) * 1000000 / lowered)
+redis.call("SET", KEYS[1], string.format("%d", tat) .. live,
+  unpack(live == "" and {"PX", math.max(1, math.ceil((tat - now) / 1000))} or {}))
 if void > 0 then
   redis.call("PUBLISH", ARGV[8], string.format("%d", void) .. " " .. ARGV[9])
 end

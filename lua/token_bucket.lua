@@ -20,7 +20,8 @@
 -- formatted floats; a microsecond is far below any rate's precision):
 --   status          1: the request may go now (its tokens are taken);
 --                   2: reserved, it must go in retry_after_us (its tokens are taken);
---                   0: refused, nothing is taken; it could go in retry_after_us
+--                   0: refused, nothing is taken; it could go in retry_after_us;
+--                   3: the domain is paused (set live), nothing is taken
 --   retry_after_us  how long until the request may go (0 when it may go now)
 --   reset_after_us  how long until the bucket is full again (the key's expiry); the caller
 --                   derives the tokens left from it: burst - reset_after_us / interval
@@ -64,6 +65,30 @@ end
 local time = redis.call("TIME")
 local now = (tonumber(time[1]) - 1704067200) * 1000000 + tonumber(time[2])
 
+-- The state is an integer (microseconds), which Redis keeps inside the key's value object, with
+-- no string to allocate: as little memory per domain as any key with an expiry can take
+-- (bench/scale.py). Rounded up, to the polite side. A limit set live (lua/set_limit.lua)
+-- follows it in the same value, "<tat> <rate|-> <burst|-> <paused 0|1>", so that reading it
+-- costs no call, and it overrides ARGV's ("-": ARGV's).
+local state = redis.call("GET", KEYS[1])
+local tat = tonumber(state)
+local live = ""
+if state and not tat then
+  local rate, live_burst, paused
+  tat, live, rate, live_burst, paused = string.match(state, "^(%d+)( (%S+) (%S+) ([01]))$")
+  if paused == "1" then
+    return {3, 0, 0}
+  end
+  tat, live = tonumber(tat), live or ""
+  if tonumber(rate) then
+    interval = 1000000 / tonumber(rate)
+  end
+  if tonumber(live_burst) then
+    burst = tonumber(live_burst)
+    cost = math.min(cost, burst)
+  end
+end
+
 if KEYS[2] then
   local rate, since, slope = string.match(redis.call("GET", KEYS[2]) or "", "^(%S+) (%S+) (%S+)")
   if rate then
@@ -72,10 +97,6 @@ if KEYS[2] then
   end
 end
 
--- The state is an integer (microseconds), which Redis keeps inside the key's value object, with
--- no string to allocate: as little memory per domain as any key with an expiry can take
--- (bench/scale.py). Rounded up, to the polite side.
-local tat = tonumber(redis.call("GET", KEYS[1]))
 if tat == nil or tat < now + busy_for then
   tat = now + busy_for
 end
@@ -89,6 +110,10 @@ if wait > reserve then
 end
 
 local reset_after = new_tat - now
--- The key lives exactly as long as the bucket is not full: idle domains vanish.
-redis.call("SET", KEYS[1], string.format("%d", new_tat), "PX", math.ceil(reset_after / 1000))
+if live == "" then
+  -- The key lives exactly as long as the bucket is not full: idle domains vanish.
+  redis.call("SET", KEYS[1], string.format("%d", new_tat), "PX", math.ceil(reset_after / 1000))
+else
+  redis.call("SET", KEYS[1], string.format("%d", new_tat) .. live)  -- lives as long as its limit
+end
 return {wait > 0 and 2 or 1, wait, reset_after}

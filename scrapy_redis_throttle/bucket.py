@@ -27,11 +27,19 @@ class AcquireResult:
     """Seconds until this request may go (0 when allowed)."""
     reset_after: float
     """Seconds until the bucket is full again."""
+    paused: bool = False
+    """The domain is paused (set live): the request asks again in ``retry_after`` seconds."""
+
+
+# How often the requests of a domain paused live ask whether it was resumed.
+PAUSED_POLL = 2.0
 
 
 def parse_reply(reply: list[Any], limit: Limit) -> AcquireResult:
     """The result of ``token_bucket.lua``'s reply (integers: status and microseconds)."""
     status, retry_after_us, reset_after_us = reply
+    if status == 3:
+        return AcquireResult(False, False, 0.0, PAUSED_POLL, 0.0, paused=True)
     return AcquireResult(
         allowed=status == 1,
         reserved=status == 2,
@@ -61,17 +69,22 @@ def key_tag(domain: str) -> str:
 def bucket_key(prefix: str, domain: str) -> str:
     """The domain's bucket key. The braces are a Redis Cluster hash tag, so all the keys of one
     domain land in one slot."""
-    return _key(prefix, key_tag(domain))
+    return tagged_key(prefix, key_tag(domain))
+
+
+# The domain's other keys: its bucket key with a suffix, in the same Cluster slot.
+PENALTY_SUFFIX = ":penalty"
+RATE_SUFFIX = ":rate"
 
 
 def penalty_key(prefix: str, domain: str) -> str:
-    """The domain's penalty state (see ``lua/penalty.lua``), in the same Cluster slot."""
-    return bucket_key(prefix, domain) + ":penalty"
+    """The domain's penalty state (see ``lua/penalty.lua``)."""
+    return bucket_key(prefix, domain) + PENALTY_SUFFIX
 
 
 def rate_key(prefix: str, domain: str) -> str:
-    """The domain's adaptive rate (see ``lua/slow_down.lua``), in the same Cluster slot."""
-    return bucket_key(prefix, domain) + ":rate"
+    """The domain's adaptive rate (see ``lua/slow_down.lua``)."""
+    return bucket_key(prefix, domain) + RATE_SUFFIX
 
 
 def penalty_channel(prefix: str) -> str:
@@ -79,10 +92,11 @@ def penalty_channel(prefix: str) -> str:
     return f"{prefix}:penalties"
 
 
-def _key(prefix: str, tag: str) -> str:
+def tagged_key(prefix: str, tag: str) -> str:
+    """The bucket key of the domain whose :func:`key_tag` is *tag*."""
     # No suffix: every byte of a key name is paid once per domain (a ":bucket" suffix cost 16
-    # bytes of Redis memory per domain, 165 instead of 149 at 100,000: bench/scale.py). Other
-    # keys of a domain, if any, would add a suffix: the bucket's alone ends with its hash tag.
+    # bytes of Redis memory per domain, 165 instead of 149 at 100,000: bench/scale.py). The
+    # domain's other keys add one (":penalty", ":rate"): the bucket's alone ends with its tag.
     return f"{prefix}:{{{tag}}}"
 
 
@@ -205,5 +219,5 @@ class TokenBucket:
         read-only, out of memory, script lost and not reloadable, ...)."""
         probe = Limit(rate=1e6, burst=1, text="probe")
         await self._script(
-            keys=[_key(self._key_prefix, _PROBE_KEY_TAG)], args=script_args(probe, 1)
+            keys=[tagged_key(self._key_prefix, _PROBE_KEY_TAG)], args=script_args(probe, 1)
         )

@@ -33,6 +33,7 @@ import asyncio
 import logging
 import math
 import random
+import time
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from scrapy import exceptions, signals
@@ -95,7 +96,11 @@ class RedisThrottleMiddleware:
         self.parking = issubclass(load_object(crawler.settings["SCHEDULER"]), ParkingScheduler)
         self.crawl_delays = CrawlDelays(crawler, self.config, self._log_extra)
         self.pauses = Pauses(
-            self.redis, penalty_channel(self.config.key_prefix), crawler.stats, self._log_extra
+            self.redis,
+            penalty_channel(self.config.key_prefix),
+            crawler.stats,
+            self._log_extra,
+            forget=self.budget.local.forget,
         )
         crawler.signals.connect(self._spider_opened, signal=signals.spider_opened)
         crawler.signals.connect(self._spider_closed, signal=signals.spider_closed)
@@ -134,9 +139,8 @@ class RedisThrottleMiddleware:
                 extra={"spider": spider},
             )
         await self.budget.check()
-        # Pauses, and the decreases of adaptive rates, void reservations of every worker.
-        if self.config.penalty_codes or adaptive is not None:
-            self.pauses.start()
+        # Pauses, decreases of adaptive rates and limits changed live void reservations.
+        self.pauses.start()
 
     async def _spider_closed(self, spider: Spider) -> None:
         self.pauses.stop()
@@ -164,8 +168,8 @@ class RedisThrottleMiddleware:
         if release is not None and release["reserved"]:
             # Back from the parking area: its tokens are reserved for go_at.
             if release["go_at"] - started >= -LATE_RELEASE:
-                await sleep(release["go_at"] - started)
-                if self._may_go(key):
+                await self.pauses.sleep(key, release["go_at"] - started)
+                if self._may_go(key, release["reserved_at"], release["go_at"]):
                     self._went(request, started, delayed=True)
                     return None
             else:
@@ -173,6 +177,7 @@ class RedisThrottleMiddleware:
         delayed = release is not None
         while True:
             grant = await self.budget.acquire(key, limit, cost)
+            reserved_at = time.time()
             result = grant.result
             delayed = delayed or grant.waited_for_redis
             paused = 0.0 if grant.shared else self.pauses.paused_for(key)
@@ -184,25 +189,35 @@ class RedisThrottleMiddleware:
             if result.allowed:
                 self._went(request, started, delayed)
                 return None
+            if result.paused:
+                stats.inc_value(f"{STATS_PREFIX}/paused_live")
             if self.parking and result.retry_after > self.config.max_hold:
-                return self._park(request, key, limit, result)
+                return self._park(request, key, limit, result, reserved_at)
+            if result.paused:
+                why = ", paused live"
+            else:
+                why = "" if grant.shared else ", paced locally while Redis fails"
             logger.debug(
-                "Redis throttle: %(request)s waits %(delay).3f s for %(key)r (%(limit)s)%(how)s",
+                "Redis throttle: %(request)s waits %(delay).3f s for %(key)r (%(limit)s)%(why)s",
                 {
                     "request": request,
                     "delay": result.retry_after,
                     "key": key,
                     "limit": limit,
-                    "how": "" if grant.shared else ", paced locally while Redis fails",
+                    "why": why,
                 },
                 extra=self._log_extra(),
             )
             delayed = True
             if result.reserved:
-                await sleep(result.retry_after)
-                if self._may_go(key):
+                moment = loop.time() + result.retry_after
+                await self.pauses.sleep(key, result.retry_after)
+                if self._may_go(key, reserved_at, moment):
                     self._went(request, started, delayed)
                     return None
+                continue
+            if result.paused:
+                await sleep(result.retry_after)
                 continue
             # Too far ahead to reserve: come back when it is not.
             await sleep(result.retry_after - self.config.max_reserve / 2)
@@ -304,10 +319,11 @@ class RedisThrottleMiddleware:
             return None
         return self.crawl_delays.limit(key, self.config.limits.lookup(key))
 
-    def _may_go(self, key: str) -> bool:
-        """Whether a request whose reserved moment has come may go: not if a pause of its key
-        came meanwhile (its moment falls within the pause); it must ask Redis again."""
-        if self.pauses.paused_for(key):
+    def _may_go(self, key: str, reserved_at: float, moment: float) -> bool:
+        """Whether a request may go at the *moment* it reserved at *reserved_at* (see
+        :meth:`.Pauses.voided`): not if a pause, or a change of the rate, voided it since; it
+        must ask Redis again."""
+        if self.pauses.voided(key, reserved_at, moment):
             self.stats.inc_value(f"{STATS_PREFIX}/paused_reservations")
             return False
         return True
@@ -327,10 +343,12 @@ class RedisThrottleMiddleware:
         stats.set_value(total_key, stats.get_value(total_key, 0.0) + waited)
         stats.max_value(f"{STATS_PREFIX}/wait_time_max", waited)
 
-    def _park(self, request: Request, key: str, limit: Limit, result: AcquireResult) -> Request:
+    def _park(
+        self, request: Request, key: str, limit: Limit, result: AcquireResult, reserved_at: float
+    ) -> Request:
         """Hand the request back to the scheduler, which keeps it out of the downloader until
         shortly before it may go."""
-        if result.reserved:
+        if result.reserved or result.paused:
             delay = result.retry_after
         else:
             # Due when its tokens can be reserved, counting that the scheduler gives it back
@@ -347,9 +365,8 @@ class RedisThrottleMiddleware:
             extra=self._log_extra(),
         )
         self.stats.inc_value(f"{STATS_PREFIX}/park_requests")
-        return request.replace(
-            meta={**request.meta, PARK_META: {"delay": delay, "reserved": result.reserved}}
-        )
+        park = {"delay": delay, "reserved": result.reserved, "reserved_at": reserved_at}
+        return request.replace(meta={**request.meta, PARK_META: park})
 
     def _key(self, request: Request) -> str:
         key = request.meta.get("redis_throttle_key")

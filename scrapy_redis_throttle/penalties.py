@@ -3,14 +3,16 @@
 The worker that gets such a response runs ``lua/penalty.lua``: the domain's bucket in Redis is
 pushed past the pause (``Retry-After``, or an exponential backoff), so that no acquire succeeds
 before it ends, and the pause is published. Every worker listens (:class:`Pauses`): a request
-that reserved a moment within the pause, before it was known, asks Redis again at that moment
-instead of going.
+that reserved a moment within the pause, before it was known, wakes and asks Redis again instead
+of going. Decreases of the adaptive rate and limits changed live are published the same way, for
+the moments reserved before them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from contextlib import suppress
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
@@ -19,6 +21,9 @@ from typing import TYPE_CHECKING, Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from scrapy.utils.defer import maybe_deferred_to_future
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.task import deferLater
 
 from .resilience import STATS_PREFIX, sleep
 
@@ -59,7 +64,8 @@ def _utc(moment: datetime) -> datetime:
 
 
 class Pauses:
-    """The pauses this worker knows of: its own, and those other workers published."""
+    """The pauses this worker knows of: its own, and those other workers published. *forget*
+    drops what the worker saw of a key's bucket, which Redis changed."""
 
     def __init__(
         self,
@@ -67,12 +73,18 @@ class Pauses:
         channel: str,
         stats: StatsCollector,
         log_extra: Callable[[], dict[str, Any]],
+        forget: Callable[[str], None],
     ) -> None:
         self._redis = redis
+        self._forget = forget
         self._channel = channel
         self._stats = stats
         self._log_extra = log_extra
-        self._until: dict[str, float] = {}  # key -> loop time the pause ends
+        # key -> (wall time it was heard of, loop time it ends) of each pause under way: a
+        # reservation made before one of them, for a moment within it, is void.
+        self._pauses: dict[str, list[tuple[float, float]]] = {}
+        # key -> the waits of requests whose moment is reserved: loop time each one ends at
+        self._sleepers: dict[str, dict[Deferred[None], float]] = {}
         self._listener: asyncio.Task[None] | None = None
         self._failing = False
 
@@ -85,20 +97,50 @@ class Pauses:
             self._listener.cancel()
 
     def pause(self, key: str, seconds: float) -> None:
-        """*key* is paused for *seconds* from now (or longer, if it was already)."""
+        """Moments of *key* within the next *seconds* that were reserved before now are void
+        (a pause, or moments chosen under a rate that changed): the requests that hold them wake
+        at once (see :meth:`sleep`) and must ask again."""
         until = asyncio.get_running_loop().time() + seconds
-        if until > self._until.get(key, 0.0):
-            self._until[key] = until
+        self._pauses[key] = [*self._under_way(key), (time.time(), until)]
+        self._forget(key)
+        for sleeper, wake_at in list(self._sleepers.get(key, {}).items()):
+            if wake_at <= until:
+                sleeper.cancel()
+
+    def voided(self, key: str, reserved_at: float, moment: float) -> bool:
+        """Whether a moment (loop time) reserved for *key* at *reserved_at* (wall time, as
+        :func:`time.time`: a parked request may have reserved it in another process) is void."""
+        return any(heard > reserved_at and moment <= until for heard, until in self._under_way(key))
 
     def paused_for(self, key: str) -> float:
-        """Seconds until *key*'s pause ends (0: not paused)."""
-        if key not in self._until:
-            return 0.0
-        left = self._until[key] - asyncio.get_running_loop().time()
-        if left <= 0:
-            del self._until[key]
-            return 0.0
-        return left
+        """Seconds until *key*'s pauses end (0: none), for a worker that paces alone."""
+        ends = [until for _, until in self._under_way(key)]
+        return max(ends) - asyncio.get_running_loop().time() if ends else 0.0
+
+    def _under_way(self, key: str) -> list[tuple[float, float]]:
+        """*key*'s pauses that have not ended (the others are forgotten)."""
+        now = asyncio.get_running_loop().time()
+        pauses = [pause for pause in self._pauses.pop(key, ()) if pause[1] > now]
+        if pauses:
+            self._pauses[key] = pauses
+        return pauses
+
+    async def sleep(self, key: str, seconds: float) -> None:
+        """Wait *seconds* (Twisted's ``deferLater``, as :func:`.resilience.sleep`) for a moment
+        reserved for *key*; a pause of *key* that covers the moment ends the wait early."""
+        from twisted.internet import reactor  # see resilience.sleep
+
+        sleeper = deferLater(reactor, max(seconds, 0.0), lambda: None)
+        sleepers = self._sleepers.setdefault(key, {})
+        sleepers[sleeper] = asyncio.get_running_loop().time() + seconds
+        try:
+            await maybe_deferred_to_future(sleeper)
+        except CancelledError:
+            pass  # woken by a pause: the caller asks again
+        finally:
+            del sleepers[sleeper]
+            if not sleepers:
+                del self._sleepers[key]
 
     async def _listen(self) -> None:
         while True:

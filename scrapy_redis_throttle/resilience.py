@@ -124,8 +124,10 @@ class LocalBuckets:
 
     While Redis answers, :meth:`follow` records when each domain's shared bucket is full again;
     a fallback starts from there, so that tokens reserved in Redis before the outage are not
-    spent a second time locally. The other way round, :meth:`busy_for` tells Redis, once it is
-    back, how long the tokens taken locally keep the bucket busy.
+    spent a second time locally. The other way round, :meth:`busy_for` tells Redis how long
+    this process sees the bucket busy: once Redis is back, the tokens taken locally; while it
+    answers, its replies' view, which is later than Redis's by how late they came, so that the
+    requests of replies that came late are not squeezed by those of replies that came fast.
     """
 
     def __init__(self, workers: int, clock: Callable[[], float] = time.monotonic) -> None:
@@ -141,6 +143,11 @@ class LocalBuckets:
         now = self._clock()
         self._full_at[domain] = max(self._full_at.get(domain, now), now + shared.reset_after)
         self._prune(now)
+
+    def forget(self, domain: str) -> None:
+        """Redis emptied *domain*'s bucket (a limit changed, the moments reserved are void):
+        what this process saw of it must not be sent back as :meth:`busy_for`."""
+        self._full_at.pop(domain, None)
 
     def busy_for(self, domain: str) -> float:
         full_at = self._full_at.get(domain)

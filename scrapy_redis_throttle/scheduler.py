@@ -45,9 +45,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Set by the middleware on a request it hands back: {"delay": seconds, "reserved": bool}.
+# Set by the middleware on a request it hands back: {"delay": seconds, "reserved": bool,
+# "reserved_at": wall time}.
 PARK_META = "_redis_throttle_park"
-# Set by the scheduler on a request it gives back: {"go_at": loop time, "reserved": bool}.
+# Set by the scheduler on a request it gives back: {"go_at": loop time, "reserved": bool,
+# "reserved_at": wall time}.
 RELEASE_META = "_redis_throttle_release"
 # Give parked requests back this long before they are due: the middleware holds them for the
 # rest, so that they leave exactly on time however busy the engine is.
@@ -266,6 +268,7 @@ class ParkingScheduler:
         request.meta[RELEASE_META] = {
             "go_at": asyncio.get_running_loop().time() + due_in,
             "reserved": park["reserved"],
+            "reserved_at": park.get("reserved_at", 0.0),
         }
         # engine.crawl() queues it (enqueue_request above) and wakes the engine up.
         self._crawler.engine.crawl(request)

@@ -27,6 +27,9 @@ REDIS_THROTTLE_DEFAULT_RATE = "1/s"
 # the fleet, which then climbs back to the configured rate (from the floor, 1/m, in 60 s here).
 REDIS_THROTTLE_ADAPTIVE_ENABLED = True
 REDIS_THROTTLE_ADAPTIVE_RECOVERY = 60
+# While the fleet runs, an operator changes or pauses a domain's limit for every worker with
+# `scrapy-redis-throttle` (run in this folder, it reads these settings), e.g.
+# `scrapy-redis-throttle set 127.0.0.2 2/s` or `scrapy-redis-throttle --spider shop status`.
 # If Redis fails, each worker paces each domain itself at 1/N of its rate (N: the fleet's size,
 # which ./run demo passes with -s), until Redis is back and the limits are shared again.
 REDIS_THROTTLE_ON_REDIS_ERROR = "local"

@@ -1,0 +1,71 @@
+#!lua
+-- Change a domain's limit live, for every worker at its next request: the limit is kept after
+-- the bucket's time in the bucket's own value (see token_bucket.lua), which then lives on until
+-- the limit is deleted. The moments reserved before a change were chosen under the old limit:
+-- the bucket forgets them, and the change is published like a pause lasting until the last of
+-- them (see penalty.lua), so that the requests holding them ask again at once.
+--
+-- KEYS[1]  the domain's bucket key
+-- KEYS[2]  the domain's penalty key (see penalty.lua): a pause under way goes on
+-- ARGV[1]  action: "set" (ARGV[2] and ARGV[3] become the domain's rate and burst), "delete"
+--          (back to the workers' own configuration), "pause" or "resume"
+-- ARGV[2]  rate, requests per second (> 0), or "-": the workers' own
+-- ARGV[3]  burst (an integer >= 1), or "-": the workers' own
+-- ARGV[4]  the channel to publish on
+-- ARGV[5]  the domain's name in the message: "<µs until the last moment reserved> <name>"
+--
+-- Returns {live, void_us}: the domain's live limit now ("<rate|-> <burst|-> <paused 0|1>", ""
+-- when none), and how long the moments reserved before were to last (0 when none were voided).
+
+local action, rate, burst = ARGV[1], ARGV[2], ARGV[3]
+local valid_rate = rate == "-" or (tonumber(rate) and tonumber(rate) > 0
+  and tonumber(rate) < math.huge)
+local valid_burst = burst == "-" or (tonumber(burst) and tonumber(burst) >= 1
+  and tonumber(burst) == math.floor(tonumber(burst)) and tonumber(burst) < math.huge)
+if not (action == "set" or action == "delete" or action == "pause" or action == "resume")
+    or not valid_rate or not valid_burst or not ARGV[5] then
+  return redis.error_reply("ERR redis_throttle: set_limit takes an action (set, delete, pause, "
+    .. "resume), a rate > 0 or -, an integer burst >= 1 or -, a channel and a name; got "
+    .. table.concat(ARGV, " "))
+end
+
+local time = redis.call("TIME")
+local now = (tonumber(time[1]) - 1704067200) * 1000000 + tonumber(time[2])
+
+local state = redis.call("GET", KEYS[1]) or ""
+local tat, old_rate, old_burst, paused = string.match(state, "^(%d*) ?(%S*) ?(%S*) ?(%S*)$")
+tat = tonumber(tat)
+old_rate, old_burst, paused = old_rate or "", old_burst or "", paused or ""
+if old_rate == "" then
+  old_rate, old_burst, paused = "-", "-", "0"
+end
+
+if action == "set" then
+  old_rate, old_burst = rate, burst
+elseif action == "delete" then
+  old_rate, old_burst, paused = "-", "-", "0"
+else
+  paused = action == "pause" and "1" or "0"
+end
+local live = ""
+if old_rate ~= "-" or old_burst ~= "-" or paused ~= "0" then
+  live = " " .. old_rate .. " " .. old_burst .. " " .. paused
+end
+
+local void = 0
+if tat and tat > now and action ~= "resume" then
+  -- Nothing is reserved while paused: a resume voids nothing.
+  void = math.ceil(tat - now)
+  tat = math.max(now, tonumber(redis.call("HGET", KEYS[2], "until")) or 0)
+end
+if live ~= "" then
+  redis.call("SET", KEYS[1], string.format("%d", tat or now) .. live)
+elseif tat and tat > now then
+  redis.call("SET", KEYS[1], string.format("%d", tat), "PX", math.ceil((tat - now) / 1000))
+else
+  redis.call("DEL", KEYS[1])
+end
+if void > 0 then
+  redis.call("PUBLISH", ARGV[4], string.format("%d", void) .. " " .. ARGV[5])
+end
+return {string.sub(live, 2), void}

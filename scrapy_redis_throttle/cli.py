@@ -1,0 +1,207 @@
+"""``scrapy-redis-throttle``: Change, inspect and pause the limits of a running fleet.
+
+Run inside a Scrapy project, it reads the project's settings (``REDIS_THROTTLE_URL`` or
+``REDIS_URL``, ``REDIS_THROTTLE_KEY_PREFIX``, the limits; ``--spider`` adds a spider's
+``redis_throttle_rates``); elsewhere, give ``--redis-url``. Exit codes: 0 done, 1 Redis failed,
+2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import TYPE_CHECKING
+
+import redis
+from scrapy.exceptions import NotConfigured
+from scrapy.utils.conf import closest_scrapy_cfg
+from scrapy.utils.project import get_project_settings
+
+from .config import (
+    SPIDER_ATTRIBUTE,
+    Limit,
+    ThrottleConfig,
+    ThrottleConfigError,
+    format_rate,
+    parse_burst,
+    parse_rate,
+    redact_url,
+)
+from .control import LiveControl
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from .control import Change, DomainState
+
+WORKERS_OWN_LIMIT = "the workers' own limit"
+EXIT_REDIS_FAILED = 1
+EXIT_BAD_INPUT = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if hasattr(args, "domain"):
+        args.domain = args.domain.lower()  # as the workers' keys
+    try:
+        config = _config(args)
+        rate = parse_rate(args.rate, source="RATE") if args.command == "set" else None
+        burst = (
+            None
+            if getattr(args, "burst", None) is None
+            else parse_burst(args.burst, source="--burst")
+        )
+    except ThrottleConfigError as exc:
+        parser.error(str(exc))
+    client = redis.Redis.from_url(config.redis_url, **config.redis_params)
+    control = LiveControl(client, config.key_prefix)
+    try:
+        if args.command == "set":
+            _print_change(args.domain, control.set(args.domain, rate, burst))
+        elif args.command in ("delete", "pause", "resume"):
+            _print_change(args.domain, getattr(control, args.command)(args.domain))
+        elif args.command == "get":
+            print(_table([control.state(args.domain)], config, args.in_project))
+        elif args.command == "list":
+            limits = control.live_limits()
+            print(
+                "\n".join(f"{domain}: {limit}" for domain, limit in limits.items())
+                or "No domain has a limit set live."
+            )
+        else:
+            _status(control, config, args)
+    except redis.RedisError as exc:
+        print(
+            f"scrapy-redis-throttle: Redis at {redact_url(config.redis_url)} failed: "
+            f"{type(exc).__name__}: {exc}",
+            file=sys.stderr,
+        )
+        return EXIT_REDIS_FAILED
+    except KeyboardInterrupt:
+        pass
+    finally:
+        client.close()
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="scrapy-redis-throttle", description=__doc__.split("\n\n")[0].split(": ", 1)[1]
+    )
+    parser.add_argument("--redis-url", help="the fleet's Redis (default: the project's settings)")
+    parser.add_argument("--key-prefix", help="REDIS_THROTTLE_KEY_PREFIX (default: the project's)")
+    parser.add_argument("--spider", help=f"also read this spider's {SPIDER_ATTRIBUTE}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    set_command = commands.add_parser(
+        "set", help="set a domain's limit for every worker, at its next request"
+    )
+    set_command.add_argument("domain", metavar="DOMAIN")
+    set_command.add_argument("rate", metavar="RATE", help="e.g. 5/s, 100/m, 1/10s, or a number")
+    set_command.add_argument("--burst", help="the burst (default: the workers' own)")
+    for name, text in (
+        ("get", "show a domain's limit and state"),
+        ("delete", "back to the workers' own limit (ends a pause set live)"),
+        ("pause", "stop every request to a domain until it is resumed"),
+        ("resume", "end a pause set live"),
+    ):
+        commands.add_parser(name, help=text).add_argument("domain", metavar="DOMAIN")
+    commands.add_parser("list", help="the domains with a limit set live")
+    status = commands.add_parser("status", help="a table of the active domains")
+    status.add_argument(
+        "--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C"
+    )
+    status.add_argument("--top", type=int, default=50, help="show at most this many (default 50)")
+    return parser
+
+
+def _config(args: argparse.Namespace) -> ThrottleConfig:
+    """The project's configuration (with --redis-url and --key-prefix over it)."""
+    args.in_project = bool(closest_scrapy_cfg())
+    settings = get_project_settings()
+    if args.redis_url:
+        settings.set("REDIS_THROTTLE_URL", args.redis_url, priority="cmdline")
+    if args.key_prefix:
+        settings.set("REDIS_THROTTLE_KEY_PREFIX", args.key_prefix, priority="cmdline")
+    settings.set("REDIS_THROTTLE_ENABLED", True, priority="cmdline")
+    spider_rates = None
+    if args.spider:
+        from scrapy.spiderloader import get_spider_loader
+
+        try:
+            spider_rates = getattr(
+                get_spider_loader(settings).load(args.spider), SPIDER_ATTRIBUTE, None
+            )
+        except KeyError as exc:
+            raise ThrottleConfigError(f"--spider: no spider named {args.spider!r}") from exc
+    try:
+        return ThrottleConfig.from_settings(settings, spider_rates=spider_rates)
+    except NotConfigured as exc:  # cannot happen: enabled above
+        raise ThrottleConfigError(str(exc)) from exc
+
+
+def _print_change(domain: str, change: Change) -> None:
+    print(f"{domain}: {change.live or WORKERS_OWN_LIMIT}")
+    if change.voided:
+        print(f"  the moments reserved for the next {change.voided:.1f} s are asked for again")
+
+
+def _status(control: LiveControl, config: ThrottleConfig, args: argparse.Namespace) -> None:
+    while True:
+        domains = control.active_domains()
+        states = control.states(domains[: args.top])
+        table = _table(states, config, args.in_project) if states else "No active domain."
+        if len(domains) > args.top:
+            table += f"\n... and {len(domains) - args.top} more (--top)"
+        if args.watch is None:
+            print(table)
+            return
+        # Clear the screen, then the table: a live view.
+        print(
+            f"\033[H\033[J{time.strftime('%H:%M:%S')}  {len(domains)} active\n{table}", flush=True
+        )
+        time.sleep(args.watch)
+
+
+def _table(states: list[DomainState], config: ThrottleConfig, in_project: bool) -> str:
+    header = ("domain", "limit", "set", "tokens left", "full in", "penalty pause", "adaptive")
+    rows = [header]
+    for state in states:
+        code = config.limits.lookup(state.domain) if in_project else None
+        limit = _effective(state, code)
+        tokens = (
+            "?" if limit is None else f"{max(0.0, limit.burst - state.full_in * limit.rate):.1f}"
+        )
+        rows.append(
+            (
+                state.domain,
+                str(state.live) if state.live else (str(code) if code else "?"),
+                "live" if state.live else ("code" if code else "-"),
+                tokens,
+                f"{state.full_in:.1f} s",
+                f"{state.penalty_pause:.1f} s (x{state.strikes})" if state.penalty_pause else "-",
+                format_rate(state.adaptive_rate) if state.adaptive_rate else "-",
+            )
+        )
+    widths = [max(len(row[n]) for row in rows) for n in range(len(header))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
+def _effective(state: DomainState, code: Limit | None) -> Limit | None:
+    """The limit the workers apply: the live one's fields over the code's."""
+    live = state.live
+    if live is None:
+        return code
+    rate = live.rate if live.rate is not None else (code.rate if code else None)
+    burst = live.burst if live.burst is not None else (code.burst if code else None)
+    if rate is None or burst is None:
+        return None
+    return Limit(rate, burst, format_rate(rate))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

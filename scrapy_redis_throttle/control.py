@@ -1,0 +1,197 @@
+"""Live control of the limits in Redis: what the ``scrapy-redis-throttle`` command does.
+
+A limit set live is kept after the bucket's time in the bucket's own value (``lua/set_limit.lua``):
+every worker's next acquire reads it in the same call, with no call of its own. The domains that
+have one are also listed in the set ``<prefix>:live``, for :meth:`LiveControl.live_limits`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .bucket import (
+    PENALTY_SUFFIX,
+    RATE_SUFFIX,
+    bucket_key,
+    key_tag,
+    penalty_channel,
+    penalty_key,
+    tagged_key,
+)
+from .config import format_rate
+from .scripts import load_script
+
+if TYPE_CHECKING:
+    import redis
+
+# The scripts count time in µs from this epoch (see lua/token_bucket.lua).
+SCRIPT_EPOCH = 1704067200
+# How many bucket keys one SCAN call looks at.
+SCAN_COUNT = 1000
+
+
+@dataclass(frozen=True)
+class LiveLimit:
+    """A domain's limit as set live; None fields are the workers' own configuration."""
+
+    rate: float | None
+    """Requests per second."""
+    burst: int | None
+    paused: bool
+
+    @classmethod
+    def parse(cls, text: str) -> LiveLimit | None:
+        """From ``"<rate|-> <burst|-> <paused 0|1>"`` (see ``lua/set_limit.lua``)."""
+        fields = text.split()
+        if len(fields) != 3:
+            return None
+        rate, burst, paused = fields
+        return cls(
+            rate=None if rate == "-" else float(rate),
+            burst=None if burst == "-" else int(burst),
+            paused=paused == "1",
+        )
+
+    def __str__(self) -> str:
+        rate = "workers' rate" if self.rate is None else format_rate(self.rate)
+        burst = "workers' burst" if self.burst is None else f"burst {self.burst}"
+        return f"{rate} ({burst})" + (", PAUSED" if self.paused else "")
+
+
+@dataclass(frozen=True)
+class Change:
+    live: LiveLimit | None
+    """The domain's live limit after the change (None: the workers' own configuration)."""
+    voided: float
+    """Seconds of moments reserved before the change, which their requests ask for again."""
+
+
+@dataclass(frozen=True)
+class DomainState:
+    """What Redis holds about a domain's limit, read at one moment."""
+
+    domain: str
+    """The domain's name, or ``#`` and its SHA-256 for a name that is not plain (see
+    :func:`.bucket.key_tag`)."""
+    live: LiveLimit | None
+    full_in: float
+    """Seconds until the bucket is full again (0: full, or no bucket)."""
+    penalty_pause: float
+    """Seconds left of a pause after a 429/503 (0: none)."""
+    strikes: int
+    """Penalties in a row (the backoff's doubling)."""
+    adaptive_rate: float | None
+    """The rate the adaptive rate lowered it to, now (None: not lowered)."""
+
+
+class LiveControl:
+    """Set, read and list the limits of a fleet that shares *key_prefix* in Redis."""
+
+    def __init__(self, client: redis.Redis, key_prefix: str) -> None:
+        self._client = client
+        self._prefix = key_prefix
+        self._set_limit = client.register_script(load_script("set_limit.lua"))
+
+    @property
+    def _index(self) -> str:
+        return f"{self._prefix}:live"
+
+    def set(self, domain: str, rate: float | None, burst: int | None) -> Change:
+        """*domain*'s rate (requests per second) and burst, None: the workers' own."""
+        return self._change(domain, "set", rate, burst)
+
+    def delete(self, domain: str) -> Change:
+        """Back to the workers' own configuration (a pause set live ends too)."""
+        return self._change(domain, "delete")
+
+    def pause(self, domain: str) -> Change:
+        return self._change(domain, "pause")
+
+    def resume(self, domain: str) -> Change:
+        return self._change(domain, "resume")
+
+    def _change(
+        self, domain: str, action: str, rate: float | None = None, burst: int | None = None
+    ) -> Change:
+        live, voided_us = self._set_limit(
+            keys=[bucket_key(self._prefix, domain), penalty_key(self._prefix, domain)],
+            args=[
+                action,
+                "-" if rate is None else repr(float(rate)),
+                "-" if burst is None else str(burst),
+                penalty_channel(self._prefix),
+                domain,
+            ],
+        )
+        limit = LiveLimit.parse(_text(live))
+        if limit is None:
+            self._client.srem(self._index, domain)
+        else:
+            self._client.sadd(self._index, domain)
+        return Change(limit, voided_us / 1e6)
+
+    def live_limits(self) -> dict[str, LiveLimit]:
+        """Every domain with a limit set live."""
+        domains = sorted(_text(member) for member in self._client.smembers(self._index))
+        states = self.states([key_tag(domain) for domain in domains])
+        return {
+            domain: state.live
+            for domain, state in zip(domains, states, strict=True)
+            if state.live is not None
+        }
+
+    def state(self, domain: str) -> DomainState:
+        [state] = self.states([key_tag(domain)])
+        return state
+
+    def active_domains(self) -> list[str]:
+        """The :func:`.bucket.key_tag` of every domain with a bucket in Redis: requested lately,
+        or with a limit set live."""
+        start = len(tagged_key(self._prefix, "")) - 1
+        return sorted(
+            key.decode()[start:-1]
+            for key in self._client.scan_iter(tagged_key(self._prefix, "*"), count=SCAN_COUNT)
+        )
+
+    def states(self, tags: list[str]) -> list[DomainState]:
+        """The state of each domain (by its :func:`.bucket.key_tag`), read in one pipeline."""
+        pipeline = self._client.pipeline(transaction=False)
+        pipeline.time()
+        for tag in tags:
+            key = tagged_key(self._prefix, tag)
+            pipeline.get(key)
+            pipeline.hmget(key + PENALTY_SUFFIX, "strikes", "until")
+            pipeline.get(key + RATE_SUFFIX)
+        replies = pipeline.execute()
+        seconds, micros = replies[0]
+        now = (seconds - SCRIPT_EPOCH) * 1_000_000 + micros
+        return [_state(tag, now, *replies[1 + 3 * n : 4 + 3 * n]) for n, tag in enumerate(tags)]
+
+
+def _state(
+    domain: str,
+    now: float,
+    bucket: bytes | None,
+    penalty: list[bytes | None],
+    adaptive: bytes | None,
+) -> DomainState:
+    tat, _, live = _text(bucket or b"").partition(" ")
+    strikes, until = penalty
+    adaptive_rate = None
+    if adaptive is not None:
+        rate, since, slope, _ = (float(field) for field in adaptive.split())
+        adaptive_rate = rate + slope * max(0.0, now - since)
+    return DomainState(
+        domain=domain,
+        live=LiveLimit.parse(live),
+        full_in=max(0.0, (float(tat or 0) - now) / 1e6),
+        penalty_pause=max(0.0, (float(until or 0) - now) / 1e6),
+        strikes=int(strikes or 0),
+        adaptive_rate=adaptive_rate,
+    )
+
+
+def _text(value: bytes | str) -> str:
+    """A reply as text, whether the client decodes replies or not."""
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,318 @@
+"""Limits changed live in Redis: the script, the command line tool, running crawls that follow."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from conftest import EXAMPLE_PROJECT
+from demo_site import HOSTS, DemoSite
+from local_redis import RedisServer
+from scrapy.crawler import CrawlerRunner
+from scrapy.utils.defer import maybe_deferred_to_future
+from spiders import UrlListSpider
+from support import (
+    assert_paced,
+    async_test,
+    crawl_settings,
+    finish_crawl_workers,
+    pages,
+    start_crawl_workers,
+    wait_until,
+    wait_until_async,
+)
+
+from scrapy_redis_throttle.bucket import bucket_key, penalty_channel, penalty_key, rate_key
+from scrapy_redis_throttle.cli import EXIT_BAD_INPUT, EXIT_REDIS_FAILED
+from scrapy_redis_throttle.control import LiveControl, LiveLimit
+from scrapy_redis_throttle.scripts import load_script
+
+A, B, _ = HOSTS
+KEY = bucket_key("ns", "shop.example")
+PENALTY = penalty_key("ns", "shop.example")
+TEN_PER_SECOND = ["100000", "1", "1", "10000000"]  # interval µs, burst, cost, reserve µs
+
+
+class Scripts:
+    """The scripts as the workers and the tool call them, on a synchronous client."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self.control = LiveControl(client, "ns")
+        self.acquire_script = client.register_script(load_script("token_bucket.lua"))
+        self.penalty = client.register_script(load_script("penalty.lua"))
+        self.slow_down = client.register_script(load_script("slow_down.lua"))
+
+    def value(self) -> bytes:
+        """The bucket's value in Redis."""
+        value = self.client.get(KEY)
+        assert isinstance(value, bytes)
+        return value
+
+    def acquire(self, args: list[str] = TEN_PER_SECOND) -> tuple[int, float]:
+        """(status, seconds to wait) for the domain at 10/s (burst 1) unless set live."""
+        status, wait_us, _ = self.acquire_script(keys=[KEY], args=args)
+        return status, wait_us / 1e6
+
+
+@pytest.fixture
+def scripts(redis_server: RedisServer) -> Iterator[Scripts]:
+    with redis_server.client() as client:
+        yield Scripts(client)
+
+
+def test_a_live_limit_overrides_the_workers_own_and_lives_on(scripts: Scripts) -> None:
+    change = scripts.control.set("shop.example", 2, None)
+    assert change.live == LiveLimit(rate=2, burst=None, paused=False)
+    assert scripts.acquire() == (1, 0)
+    status, wait = scripts.acquire()
+    assert status == 2
+    assert 0.4 < wait <= 0.5, "2/s: 0.5 s apart, not the workers' 0.1 s"
+    assert scripts.value().endswith(b" 2.0 - 0")
+    assert scripts.client.ttl(KEY) == -1, "the limit lives until it is deleted"
+    assert scripts.control.live_limits() == {"shop.example": change.live}
+
+
+def test_a_live_burst_caps_the_cost_of_a_request(scripts: Scripts) -> None:
+    scripts.control.set("shop.example", None, 2)
+    # A request that costs 3 tokens could never go with a burst of 2: it takes 2.
+    assert scripts.acquire(["100000", "5", "3", "10000000"]) == (1, 0)
+    assert scripts.acquire(["100000", "5", "3", "10000000"])[0] == 2
+
+
+def test_a_paused_domain_takes_no_token_until_resumed(scripts: Scripts) -> None:
+    scripts.control.pause("shop.example")
+    before = scripts.value()
+    assert scripts.acquire()[0] == 3
+    assert scripts.value() == before, "nothing taken"
+    change = scripts.control.resume("shop.example")
+    assert change.live is None, "nothing else was set live: the value is the bucket's again"
+    assert scripts.acquire() == (1, 0)
+    assert scripts.control.live_limits() == {}
+
+
+def test_delete_returns_the_domain_to_the_workers_own_limit(scripts: Scripts) -> None:
+    scripts.control.set("shop.example", 1, 1)
+    scripts.acquire()
+    assert scripts.control.delete("shop.example").live is None
+    assert scripts.acquire() == (1, 0), "its reservation at 1/s was voided"
+    status, wait = scripts.acquire()
+    assert status == 2
+    assert wait <= 0.1
+    assert 0 < scripts.client.pttl(KEY) <= 200, "expires again when the bucket is full"
+
+
+def test_a_change_voids_the_moments_reserved_and_publishes_it(scripts: Scripts) -> None:
+    for _ in range(5):
+        scripts.acquire()  # moments reserved over the next 0.4 s
+    with scripts.client.pubsub() as pubsub:  # type: ignore[no-untyped-call]
+        pubsub.subscribe(penalty_channel("ns"))
+        change = scripts.control.set("shop.example", 5, 1)
+        messages = [pubsub.get_message(timeout=5) for _ in range(2)]
+    assert 0.35 < change.voided <= 0.5
+    assert messages[1] is not None
+    assert messages[1]["data"] == f"{round(change.voided * 1e6)} shop.example".encode()
+    assert scripts.acquire() == (1, 0), "the bucket forgot them: the new limit starts now"
+
+
+def test_a_change_keeps_a_pause_after_a_429(scripts: Scripts) -> None:
+    # A 429 with Retry-After: 5 paused the domain (penalty.lua, at 10/s, burst 1).
+    scripts.penalty(
+        keys=[KEY, PENALTY],
+        args=["100000", "1", "5000000", "2000000", "600000000", "60000000", "ch", "shop.example"],
+    )
+    scripts.control.set("shop.example", 20, 1)
+    status, wait = scripts.acquire()
+    assert status == 2
+    assert 4.9 < wait <= 5
+
+
+def test_pauses_and_slowdowns_keep_the_live_limit(scripts: Scripts) -> None:
+    scripts.control.set("shop.example", 4, 1)
+    scripts.penalty(
+        keys=[KEY, PENALTY],
+        args=["100000", "1", "1000000", "2000000", "600000000", "60000000", "ch", "shop.example"],
+    )
+    assert scripts.value().endswith(b" 4.0 1 0")
+    assert scripts.client.ttl(KEY) == -1
+    # The adaptive rate halves the live rate (4/s), not the workers' own (10/s).
+    lowered, rate, _, _ = scripts.slow_down(
+        keys=[KEY, rate_key("ns", "shop.example")],
+        args=["10", "1", "0.5", "3600000000", "0", "0", "1", "ch", "shop.example"],
+    )
+    assert (lowered, float(rate)) == (1, 2.0)
+    assert scripts.value().endswith(b" 4.0 1 0")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["stop", "-", "-", "ch", "d"],
+        ["set", "0", "-", "ch", "d"],
+        ["set", "fast", "-", "ch", "d"],
+        ["set", "-", "1.5", "ch", "d"],
+        ["set", "-", "0", "ch", "d"],
+        ["set", "inf", "-", "ch", "d"],
+        ["set", "1", "1", "ch"],
+    ],
+)
+def test_set_limit_script_validates_its_arguments(scripts: Scripts, args: list[str]) -> None:
+    script = scripts.client.register_script(load_script("set_limit.lua"))
+    with pytest.raises(redis.ResponseError, match="set_limit takes an action"):
+        script(keys=[KEY, PENALTY], args=args)
+    assert scripts.client.keys("*") == []
+
+
+def tool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``scrapy-redis-throttle`` in a process of its own."""
+    return subprocess.run(
+        [sys.executable, "-m", "scrapy_redis_throttle.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=cwd,
+        check=False,
+    )
+
+
+def test_the_command_line_tool(redis_server: RedisServer, tmp_path: Path) -> None:
+    url = ["--redis-url", redis_server.url]
+    steps = [
+        (["set", "Shop.Example", "2/s", "--burst", "3"], "shop.example: 2/s (burst 3)\n"),
+        (["list"], "shop.example: 2/s (burst 3)\n"),
+        (["pause", "shop.example"], "shop.example: 2/s (burst 3), PAUSED\n"),
+        (["resume", "shop.example"], "shop.example: 2/s (burst 3)\n"),
+        (["delete", "shop.example"], "shop.example: the workers' own limit\n"),
+        (["list"], "No domain has a limit set live.\n"),
+        (["status"], "No active domain.\n"),
+    ]
+    for args, output in steps:
+        done = tool(*url, *args, cwd=tmp_path)  # outside any Scrapy project
+        assert (done.returncode, done.stdout, done.stderr) == (0, output, ""), args
+
+
+def test_status_shows_the_active_domains_with_the_project_limits(
+    redis_server: RedisServer,
+) -> None:
+    with redis_server.client() as client:
+        control = LiveControl(client, "redis_throttle")
+        control.set("127.0.0.3", 1, None)
+        control.pause("127.0.0.4")
+    done = tool("--redis-url", redis_server.url, "--spider", "shop", "status", cwd=EXAMPLE_PROJECT)
+    assert done.returncode == 0, done.stderr
+    lines = [line.split("  ") for line in done.stdout.splitlines()]
+    cells = [[cell.strip() for cell in line if cell.strip()] for line in lines]
+    assert cells == [
+        ["domain", "limit", "set", "tokens left", "full in", "penalty pause", "adaptive"],
+        ["127.0.0.3", "1/s (workers' burst)", "live", "3.0", "0.0 s", "-", "-"],
+        ["127.0.0.4", "workers' rate (workers' burst), PAUSED", "live", "1.0", "0.0 s", "-", "-"],
+    ], "the burst and rates of the example spider's redis_throttle_rates"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["set", "shop.example", "fast"], "RATE: invalid rate 'fast'"),
+        (["set", "shop.example", "1/s", "--burst", "0"], "--burst: burst must be an integer"),
+        (["get"], "the following arguments are required: DOMAIN"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["--spider", "nope", "list"], "--spider: no spider named 'nope'"),
+    ],
+)
+def test_the_tool_refuses_bad_input(
+    redis_server: RedisServer, args: list[str], message: str
+) -> None:
+    done = tool("--redis-url", redis_server.url, *args, cwd=EXAMPLE_PROJECT)
+    assert done.returncode == EXIT_BAD_INPUT
+    assert message in done.stderr
+
+
+def test_the_tool_says_when_redis_fails(tmp_path: Path) -> None:
+    done = tool("--redis-url", "redis://:secret@127.0.0.1:1/0", "list", cwd=tmp_path)
+    assert done.returncode == EXIT_REDIS_FAILED
+    assert "Redis at redis://:***@127.0.0.1:1/0 failed: ConnectionError" in done.stderr
+
+
+def run_tool_until(args: list[str], changed: Callable[[], object]) -> float:
+    """Run the tool with ``--redis-url`` *args*; return the moment Redis shows the change."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "scrapy_redis_throttle.cli", "--redis-url", *args],
+        stdout=subprocess.DEVNULL,
+    )
+    wait_until(changed, 60, f"the change of {args[1:]}")
+    moment = time.monotonic()
+    assert process.wait(timeout=60) == 0
+    return moment
+
+
+def test_a_running_fleet_follows_a_limit_changed_live(redis_server: RedisServer) -> None:
+    """Three worker processes crawl A at 10/s. The tool sets 2/s, then 10/s again: from one
+    request interval after each change, the site sees the new rate."""
+    with DemoSite(HOSTS, pages=200) as site:
+        jobs = [
+            {
+                "settings": crawl_settings(redis_server.url),
+                "requests": pages(site, A, 40, first=worker * 40),
+                "spider_attributes": {"redis_throttle_rates": {A: "10/s"}},
+            }
+            for worker in range(3)
+        ]
+        workers = start_crawl_workers(redis_server.url, jobs)
+        wait_until(lambda: len(site.arrivals(A)) >= 10, 60, "10 arrivals at 10/s")
+        key = bucket_key("redis_throttle", A)
+        with redis.Redis.from_url(redis_server.url) as client:
+            slowed = run_tool_until(
+                [redis_server.url, "set", A, "2/s"], lambda: b" 2.0 " in (client.get(key) or b"")
+            )
+            wait_until(
+                lambda: len([a for a in site.arrivals(A) if a.time > slowed]) >= 8, 60, "8 at 2/s"
+            )
+            restored = run_tool_until(
+                [redis_server.url, "delete", A], lambda: b" " not in (client.get(key) or b"")
+            )
+        finish_crawl_workers(workers, 120)
+        times = [a.time for a in site.arrivals(A)]
+
+    assert len(times) == 120
+    # A request whose moment came as the limit changed may still go: from one interval on, 2/s,
+    # until the change back (seen here up to a poll late: the workers may see it first).
+    slow = [t for t in times if slowed + 0.5 < t < restored - 0.1]
+    assert len(slow) >= 6
+    assert_paced(slow, rate=2, burst=1, what="2/s")
+    # Back to 10/s: far more than 2/s allows in the next 2 s.
+    assert len([t for t in times if restored < t < restored + 2]) >= 10
+
+
+@async_test
+async def test_a_crawl_waits_while_its_domain_is_paused_live(
+    redis_server: RedisServer, site: DemoSite
+) -> None:
+    with redis.Redis.from_url(redis_server.url) as client:
+        control = LiveControl(client, "redis_throttle")
+        control.pause(A)
+        runner = CrawlerRunner(crawl_settings(redis_server.url))
+        crawler = runner.create_crawler(UrlListSpider)
+        crawl = runner.crawl(
+            crawler,
+            requests=pages(site, A, 5) + pages(site, B, 3),
+            redis_throttle_rates={A: "10/s", B: "10/s"},
+        )
+        await wait_until_async(lambda: len(site.arrivals(B)) == 3, "B's pages, A paused")
+        stats = crawler.stats
+        await wait_until_async(
+            lambda: stats.get_value("redis_throttle/paused_live", 0) >= 10,
+            "each of A's requests asked twice",
+        )
+        assert site.arrivals(A) == []
+        resumed = time.monotonic()
+        control.resume(A)
+        await maybe_deferred_to_future(crawl)
+    times = [a.time for a in site.arrivals(A)]
+    assert len(times) == 5
+    assert min(times) > resumed
+    assert_paced(times, rate=10, burst=1, what="A")
