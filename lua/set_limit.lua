@@ -33,23 +33,22 @@ local time = redis.call("TIME")
 local now = (tonumber(time[1]) - 1704067200) * 1000000 + tonumber(time[2])
 
 local state = redis.call("GET", KEYS[1]) or ""
-local tat, old_rate, old_burst, paused = string.match(state, "^(%d*) ?(%S*) ?(%S*) ?(%S*)$")
+local tat, live_rate, live_burst, paused = string.match(state, "^(%d*) ?(%S*) ?(%S*) ?([01]?)$")
 tat = tonumber(tat)
-old_rate, old_burst, paused = old_rate or "", old_burst or "", paused or ""
-if old_rate == "" then
-  old_rate, old_burst, paused = "-", "-", "0"
+if not live_rate or live_rate == "" then  -- no live limit yet
+  live_rate, live_burst, paused = "-", "-", "0"
 end
 
 if action == "set" then
-  old_rate, old_burst = rate, burst
+  live_rate, live_burst = rate, burst
 elseif action == "delete" then
-  old_rate, old_burst, paused = "-", "-", "0"
+  live_rate, live_burst, paused = "-", "-", "0"
 else
   paused = action == "pause" and "1" or "0"
 end
 local live = ""
-if old_rate ~= "-" or old_burst ~= "-" or paused ~= "0" then
-  live = " " .. old_rate .. " " .. old_burst .. " " .. paused
+if live_rate ~= "-" or live_burst ~= "-" or paused ~= "0" then
+  live = " " .. live_rate .. " " .. live_burst .. " " .. paused
 end
 
 local void = 0

@@ -14,7 +14,6 @@ import time
 from typing import TYPE_CHECKING
 
 import redis
-from scrapy.exceptions import NotConfigured
 from scrapy.utils.conf import closest_scrapy_cfg
 from scrapy.utils.project import get_project_settings
 
@@ -124,6 +123,7 @@ def _config(args: argparse.Namespace) -> ThrottleConfig:
         settings.set("REDIS_THROTTLE_URL", args.redis_url, priority="cmdline")
     if args.key_prefix:
         settings.set("REDIS_THROTTLE_KEY_PREFIX", args.key_prefix, priority="cmdline")
+    # The tool works on the fleet's Redis even where these settings turn the throttle off.
     settings.set("REDIS_THROTTLE_ENABLED", True, priority="cmdline")
     spider_rates = None
     if args.spider:
@@ -135,10 +135,7 @@ def _config(args: argparse.Namespace) -> ThrottleConfig:
             )
         except KeyError as exc:
             raise ThrottleConfigError(f"--spider: no spider named {args.spider!r}") from exc
-    try:
-        return ThrottleConfig.from_settings(settings, spider_rates=spider_rates)
-    except NotConfigured as exc:  # cannot happen: enabled above
-        raise ThrottleConfigError(str(exc)) from exc
+    return ThrottleConfig.from_settings(settings, spider_rates=spider_rates)
 
 
 def _print_change(domain: str, change: Change) -> None:

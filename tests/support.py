@@ -18,6 +18,7 @@ from spiders import BASE_SETTINGS, UrlListSpider
 from twisted.internet.defer import Deferred
 
 from scrapy_redis_throttle.bucket import TokenBucket
+from scrapy_redis_throttle.control import SCRIPT_EPOCH
 
 if TYPE_CHECKING:
     import redis
@@ -25,14 +26,11 @@ if TYPE_CHECKING:
     from local_redis import RedisServer
     from scrapy.crawler import Crawler
 
-# The scripts count time in µs from this epoch (see lua/token_bucket.lua).
-EPOCH = 1704067200
-
 
 def redis_now_us(client: redis.Redis) -> int:
     """Redis's time as the scripts count it."""
     seconds, micros = client.time()
-    return int((seconds - EPOCH) * 1_000_000 + micros)
+    return int((seconds - SCRIPT_EPOCH) * 1_000_000 + micros)
 
 
 @asynccontextmanager
