@@ -7,7 +7,8 @@ that no check is refused (the cost of the check, not of waiting):
   the floor any Redis rate limiter pays;
 * ours: ``ResilientBucket.acquire``, what the middleware awaits for every request (circuit
   breaker, stats and local bookkeeping included), with the adaptive rate off (the default) and
-  on (each call then also reads the domain's lowered rate, none here);
+  on (each call then also reads the domain's lowered rate, none here), and with a sliding and a
+  fixed window on top of the bucket (the same quota: a domain's quotas);
 * limits: its moving window on redis-py (``limits.aio``, ``implementation="redispy"``);
 * throttled-py: its GCRA limiter on redis-py (``throttled.asyncio``).
 
@@ -113,11 +114,19 @@ async def minimal_bucket(url: str, quota: Quota) -> Contender:
     return Contender("minimal bucket (raw EVALSHA)", check, client.aclose)
 
 
-async def ours(url: str, quota: Quota, adaptive: bool = False) -> Contender:
+async def ours(url: str, quota: Quota, adaptive: bool = False, windows: bool = False) -> Contender:
+    rate: object = quota.rate
+    if windows:  # the same quota again, as each window algorithm
+        per = f"{quota.requests}/{quota.per_seconds}s"
+        rate = [
+            rate,
+            {"rate": per, "algorithm": "sliding_window"},
+            {"rate": per, "algorithm": "fixed_window"},
+        ]
     settings = Settings(
         {
             "REDIS_THROTTLE_URL": url,
-            "REDIS_THROTTLE_DEFAULT_RATE": quota.rate,
+            "REDIS_THROTTLE_DEFAULT_RATE": rate,
             "REDIS_THROTTLE_DEFAULT_BURST": quota.requests,
             "REDIS_THROTTLE_ADAPTIVE_ENABLED": adaptive,
         }
@@ -135,11 +144,16 @@ async def ours(url: str, quota: Quota, adaptive: bool = False) -> Contender:
         await bucket.aclose()
         await client.aclose()
 
-    return Contender("scrapy-redis-throttle" + (", adaptive" if adaptive else ""), check, close)
+    name = "scrapy-redis-throttle" + (", adaptive" if adaptive else "")
+    return Contender(name + (", + 2 windows" if windows else ""), check, close)
 
 
 async def ours_adaptive(url: str, quota: Quota) -> Contender:
     return await ours(url, quota, adaptive=True)
+
+
+async def ours_windows(url: str, quota: Quota) -> Contender:
+    return await ours(url, quota, windows=True)
 
 
 async def limits_moving_window(url: str, quota: Quota) -> Contender:
@@ -183,7 +197,14 @@ async def throttled_gcra(url: str, quota: Quota) -> Contender:
     return Contender("throttled-py (GCRA)", check, nothing)
 
 
-CONTENDERS = [minimal_bucket, ours, ours_adaptive, limits_moving_window, throttled_gcra]
+CONTENDERS = [
+    minimal_bucket,
+    ours,
+    ours_adaptive,
+    ours_windows,
+    limits_moving_window,
+    throttled_gcra,
+]
 
 
 def redis_info(admin: Redis) -> Callable[[], Awaitable[dict[str, float]]]:
@@ -321,7 +342,7 @@ async def measure(calls: int, rounds: int) -> list[dict[str, Any]]:
             )
             row = {"contender": contender.name, **{k: round(v, 2) for k, v in medians.items()}}
             print(
-                f"{contender.name:<30} {medians['calls_per_s']:>7.0f} "
+                f"{contender.name:<34} {medians['calls_per_s']:>7.0f} "
                 f"{medians['p50_us']:>6.0f} {medians['p99_us']:>6.0f} "
                 f"{medians['concurrent_calls_per_s']:>8.0f} {medians['client_cpu_us']:>7.0f} "
                 f"{medians['redis_script_us']:>7.1f} ({medians['redis_script_vs_floor']:.2f}x) "
@@ -344,7 +365,7 @@ def main() -> None:
     args = parser.parse_args()
     run_benchmark(
         "acquire",
-        f"{'contender':<30} {'calls/s':>7} {'p50':>6} {'p99':>6} {'16 tasks':>8} "
+        f"{'contender':<34} {'calls/s':>7} {'p50':>6} {'p99':>6} {'16 tasks':>8} "
         f"{'client':>7} {'redis script':>15} {'redis':>7} {'trips':>6} {'B/key':>6}",
         lambda: measure(args.calls, args.rounds),
         "calls/s, p50, p99 (µs): one caller awaiting each check; 16 tasks: calls/s with 16 "

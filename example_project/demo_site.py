@@ -103,6 +103,9 @@ class _Handler(BaseHTTPRequestHandler):
 
 class _HostServer(ThreadingHTTPServer):
     daemon_threads = True
+    # socketserver's backlog of 5 drops the connections of a fleet that starts at once: their
+    # SYNs are retried a second later, and those requests arrive a second late.
+    request_queue_size = 128
 
     def __init__(self, site: DemoSite, host: str, port: int) -> None:
         self.site = site

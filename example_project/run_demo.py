@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -44,7 +45,12 @@ from shop.spiders.shop import ShopSpider  # noqa: E402
 
 from scrapy_redis_throttle import Limit, ThrottleConfig  # noqa: E402
 from scrapy_redis_throttle.bucket import rate_key  # noqa: E402
-from scrapy_redis_throttle.config import DEFAULT_KEY_PREFIX  # noqa: E402
+from scrapy_redis_throttle.config import (  # noqa: E402
+    DEFAULT_KEY_PREFIX,
+    FIXED_WINDOW,
+    SLIDING_WINDOW,
+    TOKEN_BUCKET,
+)
 
 DEMO_HOSTS = [*HOSTS, OVERLOADED_HOST]
 PROGRESS_EVERY = 2.0
@@ -102,7 +108,7 @@ def configured_limits() -> dict[str, Limit | None]:
 def runs(limits: dict[str, Limit | None], baseline: bool) -> list[Run]:
     shared = Run("shared budget", {})
     # Plain Scrapy: every worker waits the limit's interval between requests to a domain.
-    slots = {host: {"delay": 1 / limit.rate} for host, limit in limits.items() if limit}
+    slots = {host: {"delay": 1 / limit.sustained_rate} for host, limit in limits.items() if limit}
     per_process = Run(
         "baseline",
         {
@@ -152,6 +158,22 @@ def stop_workers(workers: list[subprocess.Popen[bytes]]) -> None:
         for worker in running:
             with suppress(subprocess.TimeoutExpired):
                 worker.wait(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def allowed_in(limit: Limit, window: float) -> float:
+    """The most requests *limit* lets go in any *window* seconds: the bucket's burst + rate x
+    window, or fewer if a quota allows fewer."""
+    allowed = [limit.burst + limit.rate * window]
+    for quota in limit.quotas:
+        windows = math.ceil(window / quota.period)
+        allowed.append(
+            {
+                TOKEN_BUCKET: quota.count + window / quota.period,
+                SLIDING_WINDOW: quota.count * windows,
+                FIXED_WINDOW: quota.count * (windows + 1),
+            }[quota.algorithm]
+        )
+    return min(allowed)
 
 
 def busiest_window(times: list[float], window: float) -> int:
@@ -218,9 +240,11 @@ def report(
     results: dict[str, dict[str, Arrivals]], limits: dict[str, Limit | None], workers: int
 ) -> list[dict[str, object]]:
     print(f"\nWhat the site received from {workers} workers, per domain and run:\n")
+    width = max(len(str(limit)) for limit in limits.values())
     header = (
-        f"{'domain':<10} {'limit':<15} {'run':<14} {'requests':>8} {'429s':>5} {'achieved':>9} "
-        f"{'x limit':>7} {'busiest 1 s':>11} {'(max)':>5} {'busiest 10 s':>12} {'(max)':>5}"
+        f"{'domain':<10} {'limit':<{width}} {'run':<14} {'requests':>8} {'429s':>5} "
+        f"{'achieved':>9} {'x limit':>7} {'busiest 1 s':>11} {'(max)':>5} "
+        f"{'busiest 10 s':>12} {'(max)':>5}"
     )
     print(header)
     print("-" * len(header))
@@ -241,26 +265,28 @@ def report(
                 "refused_429": arrivals[host].refused,
                 "adaptive_rate": arrivals[host].adaptive_rate,
                 "achieved_per_s": round(achieved, 3),
-                "times_limit": round(achieved / limit.rate, 2),
+                "times_limit": round(len(times) / allowed_in(limit, span), 2),
                 "busiest_1s": busiest_window(times, 1.0),
-                "max_1s": round(limit.burst + limit.rate * 1, 1),
+                "max_1s": round(allowed_in(limit, 1.0), 1),
                 "busiest_10s": busiest_window(times, 10.0),
-                "max_10s": round(limit.burst + limit.rate * 10, 1),
+                "max_10s": round(allowed_in(limit, 10.0), 1),
             }
             rows.append(row)
             first = run_name == next(iter(results))
             print(
-                f"{host if first else '':<10} {str(limit) if first else '':<15} {run_name:<14} "
-                f"{row['requests']:>8} {row['refused_429']:>5} {achieved:>7.2f}/s "
+                f"{host if first else '':<10} {str(limit) if first else '':<{width}} "
+                f"{run_name:<14} {row['requests']:>8} {row['refused_429']:>5} {achieved:>7.2f}/s "
                 f"{row['times_limit']:>6}x "
                 f"{row['busiest_1s']:>11} {row['max_1s']:>5} {row['busiest_10s']:>12} "
                 f"{row['max_10s']:>5}"
             )
     print(
         "\n'requests': answered 200; '429s': refused by the site; 'achieved': requests per second "
-        "after the first burst,\nover the busy period; '(max)': what the limit allows in that "
-        f"window (burst + rate x window).\n{OVERLOADED_HOST} takes at most {OVERLOAD[0]} requests "
-        f"a second: each 429 (Retry-After: {OVERLOAD[1]}) pauses it for the whole fleet."
+        "after the first burst,\nover the busy period; 'x limit': the requests over what the "
+        "limit allows in that period;\n'(max)': what the limit allows in that window (burst + "
+        f"rate x window, or fewer with a quota).\n{OVERLOADED_HOST} takes at most "
+        f"{OVERLOAD[0]} requests a second: each 429 (Retry-After: {OVERLOAD[1]}) pauses it for "
+        "the whole fleet."
     )
     for row in rows:
         if row["adaptive_rate"] is not None:
@@ -301,7 +327,7 @@ def chart(
             axis.plot(*rate_series(arrivals[host].times, end), color=color, label=host)
             limit = limits[host]
             if limit is not None:
-                axis.axhline(limit.rate, color=color, linestyle="--", linewidth=1)
+                axis.axhline(limit.sustained_rate, color=color, linestyle="--", linewidth=1)
         axis.set_title(f"{run_name}")
         axis.set_xlabel("seconds since the workers started")
         axis.grid(alpha=0.3)

@@ -13,42 +13,55 @@
 -- ARGV[3]  burst (an integer >= 1), or "-": the workers' own
 -- ARGV[4]  the channel to publish on
 -- ARGV[5]  the domain's name in the message: "<µs until the last moment reserved> <name>"
+-- ARGV[6]  (set, with a rate) the domain's more limits, "" for none: comma-separated
+--          "<algorithm><count>/<period µs>", algorithm t, f or s (see token_bucket.lua)
 --
--- Returns {live, void_us}: the domain's live limit now ("<rate|-> <burst|-> <paused 0|1>", ""
--- when none), and how long the moments reserved before were to last (0 when none were voided).
+-- Returns {live, void_us}: the domain's live limit now ("<rate|-> <burst|-> <paused 0|1>[ <more
+-- limits>]", "" when none), and how long the moments reserved before were to last (0 when none
+-- were voided).
 
-local action, rate, burst = ARGV[1], ARGV[2], ARGV[3]
+local action, rate, burst, limits = ARGV[1], ARGV[2], ARGV[3], ARGV[6] or ""
 local valid_rate = rate == "-" or (tonumber(rate) and tonumber(rate) > 0
   and tonumber(rate) < math.huge)
 local valid_burst = burst == "-" or (tonumber(burst) and tonumber(burst) >= 1
   and tonumber(burst) == math.floor(tonumber(burst)) and tonumber(burst) < math.huge)
+-- Checked as token_bucket.lua checks them: a bad limit here would fail every acquire.
+local valid_limits = limits == "" or rate ~= "-"
+for item in string.gmatch(limits ~= "" and limits .. "," or "", "([^,]*),") do
+  local algorithm, count, period = string.match(item, "^([tfs])([^/]+)/(.+)$")
+  count, period = tonumber(count), tonumber(period)
+  valid_limits = valid_limits and count and period and count >= 1 and count < math.huge
+    and period > 0 and period < math.huge and (algorithm == "t" or count == math.floor(count))
+end
 if not (action == "set" or action == "delete" or action == "pause" or action == "resume")
-    or not valid_rate or not valid_burst or not ARGV[5] then
+    or not valid_rate or not valid_burst or not valid_limits or not ARGV[5] then
   return redis.error_reply("ERR redis_throttle: set_limit takes an action (set, delete, pause, "
-    .. "resume), a rate > 0 or -, an integer burst >= 1 or -, a channel and a name; got "
-    .. table.concat(ARGV, " "))
+    .. "resume), a rate > 0 or -, an integer burst >= 1 or -, a channel, a name and more "
+    .. "limits with a rate; got " .. table.concat(ARGV, " "))
 end
 
 local time = redis.call("TIME")
 local now = (tonumber(time[1]) - 1704067200) * 1000000 + tonumber(time[2])
 
 local state = redis.call("GET", KEYS[1]) or ""
-local tat, live_rate, live_burst, paused = string.match(state, "^(%d*) ?(%S*) ?(%S*) ?([01]?)$")
+local tat, live_rate, live_burst, paused, live_limits =
+  string.match(state, "^(%d*) ?(%S*) ?(%S*) ?([01]?) ?(%S*)$")
 tat = tonumber(tat)
 if not live_rate or live_rate == "" then  -- no live limit yet
-  live_rate, live_burst, paused = "-", "-", "0"
+  live_rate, live_burst, paused, live_limits = "-", "-", "0", ""
 end
 
 if action == "set" then
-  live_rate, live_burst = rate, burst
+  live_rate, live_burst, live_limits = rate, burst, limits
 elseif action == "delete" then
-  live_rate, live_burst, paused = "-", "-", "0"
+  live_rate, live_burst, paused, live_limits = "-", "-", "0", ""
 else
   paused = action == "pause" and "1" or "0"
 end
 local live = ""
 if live_rate ~= "-" or live_burst ~= "-" or paused ~= "0" then
   live = " " .. live_rate .. " " .. live_burst .. " " .. paused
+    .. (live_limits ~= "" and " " .. live_limits or "")
 end
 
 local void = 0

@@ -13,18 +13,33 @@
 -- ARGV[5]  busy_for (optional, default 0): microseconds; the bucket is not full before now plus
 --          this, whatever it holds: the caller took tokens from its local fallback while Redis
 --          was unavailable, and they count here too
--- KEYS[2]  (optional, with the adaptive rate) the domain's rate key (see slow_down.lua): while
---          it holds a rate below the configured one, tokens refill at that rate
+-- ARGV[6..] (optional) more limits of the domain, checked with the bucket in this call, three
+--          arguments each: the algorithm ("t" token bucket, "f" fixed window, "s" sliding
+--          window), its count (the bucket's burst, or the requests per window, an integer) and
+--          its period in microseconds (per token, or the window)
+-- KEYS[2]  (optional, with the adaptive rate or more limits) the domain's rate key (see
+--          slow_down.lua): while it holds a rate below the configured one, tokens refill at it
+-- KEYS[3]  (with more limits) the domain's quota hash: per limit, a bucket's time or a fixed
+--          window's "<window> <count>"
+-- KEYS[4]  (with more limits) the domain's log: a sorted set of the moments requests went, for
+--          the sliding windows
 --
--- Returns {status, retry_after_us, reset_after_us}, integers (cheaper for Redis to reply than
--- formatted floats; a microsecond is far below any rate's precision):
+-- With more limits, a request goes (or reserves its moment) only when every limit allows it,
+-- nothing is taken from any of them when one refuses, and the wait is the longest (or longer:
+-- until a fixed window with room for it).
+--
+-- Returns {status, retry_after_us, reset_after_us[, remaining]}, integers (cheaper for Redis to
+-- reply than formatted floats; a microsecond is far below any rate's precision):
 --   status          1: the request may go now (its tokens are taken);
 --                   2: reserved, it must go in retry_after_us (its tokens are taken);
 --                   0: refused, nothing is taken; it could go in retry_after_us;
---                   3: the domain is paused (set live), nothing is taken
+--                   3: the domain is paused (set live), nothing is taken;
+--                   4: the domain has more limits set live: call again with KEYS[2..4]
 --   retry_after_us  how long until the request may go (0 when it may go now)
 --   reset_after_us  how long until the bucket is full again (the key's expiry); the caller
 --                   derives the tokens left from it: burst - reset_after_us / interval
+--   remaining       with more limits: the requests they allow after this one, now (0 when it
+--                   must wait)
 
 -- ARGV[index] (or default) as a number, else an error reply naming the argument: finite, and
 -- above minimum (or equal to it when inclusive).
@@ -68,25 +83,47 @@ local now = (tonumber(time[1]) - 1704067200) * 1000000 + tonumber(time[2])
 -- The state is an integer (microseconds), which Redis keeps inside the key's value object, with
 -- no string to allocate: as little memory per domain as any key with an expiry can take
 -- (bench/scale.py). Rounded up, to the polite side. A limit set live (lua/set_limit.lua)
--- follows it in the same value, "<tat> <rate|-> <burst|-> <paused 0|1>", so that reading it
--- costs no call, and it overrides ARGV's ("-": ARGV's).
+-- follows it in the same value, "<tat> <rate|-> <burst|-> <paused 0|1>[ <more limits>]", so
+-- that reading it costs no call, and it overrides ARGV's ("-": ARGV's). A rate set live comes
+-- with the domain's more limits ("t5/2e5,s10/2e6": algorithm, count/period), maybe none.
 local state = redis.call("GET", KEYS[1])
 local tat = tonumber(state)
 local live = ""
+local live_limits
 if state and not tat then
   local rate, live_burst, paused
-  tat, live, rate, live_burst, paused = string.match(state, "^(%d+)( (%S+) (%S+) ([01]))$")
+  tat, live, rate, live_burst, paused, live_limits =
+    string.match(state, "^(%d+)( (%S+) (%S+) ([01]) ?(%S*))$")
   if paused == "1" then
     return {3, 0, 0}
   end
   tat, live = tonumber(tat), live or ""
   if tonumber(rate) then
     interval = 1000000 / tonumber(rate)
+  else
+    live_limits = nil
   end
   if tonumber(live_burst) then
     burst = tonumber(live_burst)
     cost = math.min(cost, burst)
   end
+end
+
+-- The more limits (nil: none): those set live with the rate, else ARGV's.
+local limits
+if live_limits and live_limits ~= "" then
+  limits = {}
+  for algorithm, count, period in string.gmatch(live_limits, "(%a)([^/,]+)/([^,]+)") do
+    limits[#limits + 1] = {algorithm, count, period}
+  end
+elseif not live_limits and ARGV[6] then
+  limits = {}
+  for index = 6, #ARGV, 3 do
+    limits[#limits + 1] = {ARGV[index], ARGV[index + 1], ARGV[index + 2]}
+  end
+end
+if limits and not KEYS[4] then
+  return {4, 0, 0}
 end
 
 if KEYS[2] then
@@ -101,14 +138,83 @@ if tat == nil or tat < now + busy_for then
   tat = now + busy_for
 end
 
-local new_tat = math.ceil(tat + cost * interval)
 -- From the unrounded time, to the nearest µs: with an interval that is no whole number of µs,
 -- rounding up made the first request of a full bucket wait 1 µs instead of going.
 local wait = math.max(0, math.floor(tat + (cost - burst) * interval - now + 0.5))
+
+-- The more limits: the request's moment is the latest of the moments each one allows it,
+-- moved to the start of a fixed window with room where it must.
+local quotas, longest_window, counted
+if limits then
+  quotas, longest_window = {}, 0
+  counted = math.ceil(cost)  -- a window counts whole requests
+  local moment = now + wait
+  for index, limit in ipairs(limits) do
+    local algorithm, count, period = limit[1], tonumber(limit[2]), tonumber(limit[3])
+    if not ((algorithm == "t" or algorithm == "f" or algorithm == "s") and count and period
+        and count >= 1 and count < huge and period > 0 and period < huge
+        and (algorithm == "t" or count == math.floor(count))) then
+      return redis.error_reply("ERR redis_throttle: limit " .. index .. " must be t, f or s, a "
+        .. "count >= 1 (whole for windows) and a period > 0, got "
+        .. table.concat({tostring(limit[1]), tostring(limit[2]), tostring(limit[3])}, " "))
+    end
+    if counted > count then
+      return redis.error_reply("ERR redis_throttle: cost " .. ARGV[3] .. " exceeds limit "
+        .. index .. "'s count " .. limit[2])
+    end
+    local quota = {algorithm = algorithm, count = count, period = period,
+      field = algorithm .. limit[2] .. "/" .. limit[3]}
+    if algorithm == "t" then
+      local state = tonumber(redis.call("HGET", KEYS[3], quota.field))
+      quota.tat = math.max(state or 0, now + busy_for)
+      moment = math.max(moment, quota.tat + (cost - count) * period)
+    elseif algorithm == "f" then
+      -- "<window> <count> ...": the requests of each window from now on (some reserved ahead).
+      -- Windows follow one another from the epoch: every worker agrees on them.
+      quota.windows = {}
+      local state = redis.call("HGET", KEYS[3], quota.field) or ""
+      for window, used in string.gmatch(state, "(%d+) (%d+)") do
+        if tonumber(window) >= math.floor(now / period) then
+          quota.windows[tonumber(window)] = tonumber(used)
+        end
+      end
+    else
+      -- Exact: no window of `period` µs (a moment exactly one period before is out of it) holds
+      -- more than `count`. The log holds the moments of the requests, reserved ones too: once the
+      -- oldest that are too many are out of its window, any later moment keeps every window right.
+      local since = "(" .. string.format("%.17g", now - period)
+      quota.used = redis.call("ZCOUNT", KEYS[4], since, "+inf") + counted
+      if quota.used > count then
+        local oldest = redis.call("ZRANGEBYSCORE", KEYS[4], since, "+inf", "WITHSCORES", "LIMIT",
+          quota.used - count - 1, 1)
+        moment = math.max(moment, tonumber(oldest[2]) + period)
+      end
+      longest_window = math.max(longest_window, period)
+    end
+    quotas[index] = quota
+  end
+  repeat
+    local moved = false
+    for _, quota in ipairs(quotas) do
+      local window = math.floor(moment / quota.period)
+      if quota.windows and (quota.windows[window] or 0) + counted > quota.count then
+        moment, moved = (window + 1) * quota.period, true
+      end
+    end
+  until not moved
+  wait = math.max(wait, math.ceil(moment - now))
+end
+
 if wait > reserve then
+  if limits then
+    return {0, wait, math.ceil(tat - now), 0}
+  end
   return {0, wait, math.ceil(tat - now)}
 end
 
+local moment = now + wait
+-- A moment the quotas put after the bucket's: the bucket counts the request then.
+local new_tat = math.ceil((limits and math.max(tat, moment) or tat) + cost * interval)
 local reset_after = new_tat - now
 if live == "" then
   -- The key lives exactly as long as the bucket is not full: idle domains vanish.
@@ -116,4 +222,52 @@ if live == "" then
 else
   redis.call("SET", KEYS[1], string.format("%d", new_tat) .. live)  -- lives as long as its limit
 end
-return {wait > 0 and 2 or 1, wait, reset_after}
+if not limits then
+  return {wait > 0 and 2 or 1, wait, reset_after}
+end
+
+-- The requests each quota allows after this one, now (none when it must wait).
+local remaining, quota_expiry = wait > 0 and 0 or huge, 0
+for _, quota in ipairs(quotas) do
+  local left, value, expiry
+  if quota.tat then
+    value = math.ceil(math.max(quota.tat, moment) + cost * quota.period)
+    expiry, left = value - now, quota.count - (value - now) / quota.period
+    value = string.format("%d", value)
+  elseif quota.windows then
+    local window = math.floor(moment / quota.period)
+    quota.windows[window] = (quota.windows[window] or 0) + counted
+    local windows = {}
+    for start in pairs(quota.windows) do
+      windows[#windows + 1] = start
+    end
+    table.sort(windows)
+    expiry = math.ceil((windows[#windows] + 1) * quota.period - now)
+    for n, start in ipairs(windows) do
+      windows[n] = string.format("%d %d", start, quota.windows[start])
+    end
+    value = table.concat(windows, " ")
+    left = quota.count - (quota.windows[math.floor(now / quota.period)] or 0)
+  else
+    left = quota.count - quota.used
+  end
+  if value then
+    redis.call("HSET", KEYS[3], quota.field, value)
+    quota_expiry = math.max(quota_expiry, expiry)
+  end
+  remaining = math.min(remaining, left)
+end
+if quota_expiry > 0 then
+  redis.call("PEXPIRE", KEYS[3], math.ceil(quota_expiry / 1000))
+end
+if longest_window > 0 then
+  -- Members are unique: those of one microsecond are numbered.
+  local first = redis.call("ZCOUNT", KEYS[4], moment, moment)
+  for number = first + 1, first + counted do
+    redis.call("ZADD", KEYS[4], moment, string.format("%d:%d", moment, number))
+  end
+  redis.call("ZREMRANGEBYSCORE", KEYS[4], "-inf", string.format("%.17g", now - longest_window))
+  local last = redis.call("ZRANGE", KEYS[4], -1, -1, "WITHSCORES")[2]
+  redis.call("PEXPIRE", KEYS[4], math.ceil((tonumber(last) + longest_window - now) / 1000))
+end
+return {wait > 0 and 2 or 1, wait, reset_after, math.floor(math.max(0, remaining))}

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from .config import Adaptive, Backoff, Limit
+from .config import Adaptive, Backoff, Limit, Quota
 from .scripts import LuaScript
 
 if TYPE_CHECKING:
@@ -36,17 +36,24 @@ PAUSED_POLL = 2.0
 
 
 def parse_reply(reply: list[Any], limit: Limit) -> AcquireResult:
-    """The result of ``token_bucket.lua``'s reply (integers: status and microseconds)."""
-    status, retry_after_us, reset_after_us = reply
+    """The result of ``token_bucket.lua``'s reply (integers: status and microseconds, and the
+    requests the quotas allow when it checked some)."""
+    status, retry_after_us, reset_after_us, *quotas_left = reply
     if status == 3:
         return AcquireResult(False, False, 0.0, PAUSED_POLL, 0.0, paused=True)
     return AcquireResult(
         allowed=status == 1,
         reserved=status == 2,
-        tokens_left=max(0.0, limit.burst - reset_after_us / limit.interval_us),
+        tokens_left=float(
+            max(0, min([limit.burst - reset_after_us / limit.interval_us, *quotas_left]))
+        ),
         retry_after=retry_after_us / 1e6,
         reset_after=reset_after_us / 1e6,
     )
+
+
+# token_bucket.lua's reply when a limit set live has quotas and the call did not pass their keys.
+QUOTA_KEYS_NEEDED = 4
 
 
 # Host names and simple meta keys appear as they are in Redis keys (readable in redis-cli).
@@ -75,6 +82,8 @@ def bucket_key(prefix: str, domain: str) -> str:
 # The domain's other keys: its bucket key with a suffix, in the same Cluster slot.
 PENALTY_SUFFIX = ":penalty"
 RATE_SUFFIX = ":rate"
+QUOTA_SUFFIX = ":quota"
+LOG_SUFFIX = ":log"
 
 
 def penalty_key(prefix: str, domain: str) -> str:
@@ -102,9 +111,11 @@ def tagged_key(prefix: str, tag: str) -> str:
 
 def script_args(limit: Limit, cost: float, reserve: float = 0, busy_for: float = 0) -> list[bytes]:
     """ARGV of ``token_bucket.lua``. ``busy_for`` is sent only when it is not 0 (the script's
-    default): every argument costs client CPU on every request."""
+    default) or quotas follow: every argument costs client CPU on every request."""
     args = _fixed_args(limit, cost, reserve)
-    return [*args, repr(busy_for * 1e6).encode()] if busy_for > 0 else list(args)
+    if busy_for > 0 or limit.quotas:
+        return [*args, repr(busy_for * 1e6).encode(), *_quota_args(limit.quotas)]
+    return list(args)
 
 
 @lru_cache(maxsize=1024)
@@ -112,6 +123,11 @@ def _fixed_args(limit: Limit, cost: float, reserve: float) -> tuple[bytes, ...]:
     # The same for every request of a domain: encoded once (repr keeps every digit of floats).
     values = repr(limit.interval_us), str(limit.burst), repr(float(cost)), repr(reserve * 1e6)
     return tuple(value.encode() for value in values)
+
+
+@lru_cache(maxsize=1024)
+def _quota_args(quotas: tuple[Quota, ...]) -> tuple[bytes, ...]:
+    return tuple(part.encode() for quota in quotas for part in quota.script_args)
 
 
 @dataclass(frozen=True)
@@ -149,6 +165,8 @@ class TokenBucket:
     def __init__(self, redis: Redis, key_prefix: str, adaptive: bool = False) -> None:
         self._key_prefix = key_prefix
         self._adaptive = adaptive
+        self._live_quotas: set[str] = set()
+        """Domains whose limit set live has quotas (or had)."""
         self._script = LuaScript(redis, "token_bucket.lua")
         self._penalty_script = LuaScript(redis, "penalty.lua")
         self._slow_down_script = LuaScript(redis, "slow_down.lua")
@@ -161,10 +179,18 @@ class TokenBucket:
         for at least *busy_for* seconds (tokens the caller took while Redis was unavailable).
         With the adaptive rate, tokens refill at the domain's lowered rate, if it has one."""
         key = bucket_key(self._key_prefix, domain)
-        reply: list[Any] = await self._script(
-            keys=[key, rate_key(self._key_prefix, domain)] if self._adaptive else [key],
-            args=script_args(limit, cost, reserve, busy_for),
-        )
+        args = script_args(limit, cost, reserve, busy_for)
+        with_quotas = bool(limit.quotas) or domain in self._live_quotas
+        if with_quotas:
+            keys = [key, key + RATE_SUFFIX, key + QUOTA_SUFFIX, key + LOG_SUFFIX]
+        else:
+            keys = [key, key + RATE_SUFFIX] if self._adaptive else [key]
+        reply: list[Any] = await self._script(keys=keys, args=args)
+        if reply[0] == QUOTA_KEYS_NEEDED:
+            # Remembered: the domain's calls pass the quotas' keys from now on (an unused key
+            # costs the script nothing).
+            self._live_quotas.add(domain)
+            return await self.acquire(domain, limit, cost, reserve, busy_for)
         return parse_reply(reply, limit)
 
     async def penalize(

@@ -18,13 +18,16 @@ from scrapy.utils.conf import closest_scrapy_cfg
 from scrapy.utils.project import get_project_settings
 
 from .config import (
+    ALGORITHM_CODES,
     SPIDER_ATTRIBUTE,
+    TOKEN_BUCKET,
     Limit,
+    Quota,
     ThrottleConfig,
     ThrottleConfigError,
     format_rate,
     parse_burst,
-    parse_rate,
+    parse_limit,
     redact_url,
 )
 from .control import LiveControl
@@ -46,23 +49,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.domain = args.domain.lower()  # as the workers' keys
     try:
         config = _config(args)
-        rate = parse_rate(args.rate, source="RATE") if args.command == "set" else None
-        burst = (
-            None
-            if getattr(args, "burst", None) is None
-            else parse_burst(args.burst, source="--burst")
-        )
+        if args.command == "set":
+            live = _live_limit(args.limits, args.burst)
     except ThrottleConfigError as exc:
         parser.error(str(exc))
     client = redis.Redis.from_url(config.redis_url, **config.redis_params)
     control = LiveControl(client, config.key_prefix)
     try:
         if args.command == "set":
-            _print_change(args.domain, control.set(args.domain, rate, burst))
+            _print_change(args.domain, control.set(args.domain, *live))
         elif args.command in ("delete", "pause", "resume"):
             _print_change(args.domain, getattr(control, args.command)(args.domain))
         elif args.command == "get":
-            print(_table([control.state(args.domain)], config, args.in_project))
+            print(_table([control.state(args.domain)], config, args.in_project, control.activity()))
         elif args.command == "list":
             limits = control.live_limits()
             print(
@@ -97,8 +96,17 @@ def _parser() -> argparse.ArgumentParser:
         "set", help="set a domain's limit for every worker, at its next request"
     )
     set_command.add_argument("domain", metavar="DOMAIN")
-    set_command.add_argument("rate", metavar="RATE", help="e.g. 5/s, 100/m, 1/10s, or a number")
-    set_command.add_argument("--burst", help="the burst (default: the workers' own)")
+    set_command.add_argument(
+        "limits",
+        metavar="LIMIT",
+        nargs="+",
+        help="a rate (5/s, 100/m, 1/10s, or a number), or ALGORITHM:RATE with ALGORITHM one of "
+        f"{', '.join(ALGORITHM_CODES)} (e.g. sliding_window:10/2s); with several, every one "
+        "applies (they replace the workers' own)",
+    )
+    set_command.add_argument(
+        "--burst", help="the first token bucket's burst (default: the workers' own)"
+    )
     for name, text in (
         ("get", "show a domain's limit and state"),
         ("delete", "back to the workers' own limit (ends a pause set live)"),
@@ -138,6 +146,27 @@ def _config(args: argparse.Namespace) -> ThrottleConfig:
     return ThrottleConfig.from_settings(settings, spider_rates=spider_rates)
 
 
+def _live_limit(
+    texts: list[str], burst_text: str | None
+) -> tuple[float, int | None, tuple[Quota, ...]]:
+    """The rate, burst (None: the workers' own) and quotas that ``set`` LIMIT... gives."""
+    items: list[dict[str, object]] = []
+    for text in texts:
+        algorithm, _, rate = text.rpartition(":")
+        items.append({"rate": rate, "algorithm": algorithm or TOKEN_BUCKET})
+    buckets = [item for item in items if item["algorithm"] == TOKEN_BUCKET]
+    burst = None if burst_text is None else parse_burst(burst_text, source="--burst")
+    if burst is not None:
+        if not buckets:
+            raise ThrottleConfigError("--burst: only a token bucket has a burst")
+        buckets[0]["burst"] = burst
+    limit = parse_limit(items, default_burst=1, source="LIMIT")
+    assert limit is not None  # a list of rates
+    # The workers' burst applies to a first token bucket given without one.
+    workers_burst = burst is None and bool(buckets) and buckets[0] is items[0]
+    return limit.rate, None if workers_burst else limit.burst, limit.quotas
+
+
 def _print_change(domain: str, change: Change) -> None:
     print(f"{domain}: {change.live or WORKERS_OWN_LIMIT}")
     if change.voided:
@@ -146,9 +175,10 @@ def _print_change(domain: str, change: Change) -> None:
 
 def _status(control: LiveControl, config: ThrottleConfig, args: argparse.Namespace) -> None:
     while True:
-        domains = control.active_domains()
+        activity = control.activity()
+        domains = sorted(set(control.active_domains()) | set(activity))
         states = control.states(domains[: args.top])
-        table = _table(states, config, args.in_project) if states else "No active domain."
+        table = _table(states, config, args.in_project, activity) if states else "No active domain."
         if len(domains) > args.top:
             table += f"\n... and {len(domains) - args.top} more (--top)"
         if args.watch is None:
@@ -161,10 +191,26 @@ def _status(control: LiveControl, config: ThrottleConfig, args: argparse.Namespa
         time.sleep(args.watch)
 
 
-def _table(states: list[DomainState], config: ThrottleConfig, in_project: bool) -> str:
-    header = ("domain", "limit", "set", "tokens left", "full in", "penalty pause", "adaptive")
+def _table(
+    states: list[DomainState],
+    config: ThrottleConfig,
+    in_project: bool,
+    activity: dict[str, tuple[int, int]],
+) -> str:
+    header = (
+        "domain",
+        "limit",
+        "set",
+        "tokens left",
+        "full in",
+        "last minute",
+        "waiting",
+        "penalty pause",
+        "adaptive",
+    )
     rows = [header]
     for state in states:
+        went, waiting = activity.get(state.domain, (0, 0))
         code = config.limits.lookup(state.domain) if in_project else None
         limit = _effective(state, code)
         tokens = (
@@ -177,6 +223,8 @@ def _table(states: list[DomainState], config: ThrottleConfig, in_project: bool) 
                 "live" if state.live else ("code" if code else "-"),
                 tokens,
                 f"{state.full_in:.1f} s",
+                str(went),
+                str(waiting),
                 f"{state.penalty_pause:.1f} s (x{state.strikes})" if state.penalty_pause else "-",
                 format_rate(state.adaptive_rate) if state.adaptive_rate else "-",
             )
@@ -197,7 +245,8 @@ def _effective(state: DomainState, code: Limit | None) -> Limit | None:
     burst = live.burst if live.burst is not None else (code.burst if code else None)
     if rate is None or burst is None:
         return None
-    return Limit(rate, burst, format_rate(rate))
+    quotas = live.quotas if live.rate is not None else (code.quotas if code else ())
+    return Limit(rate, burst, format_rate(rate), quotas)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ DEFAULT_KEY_PREFIX = "redis_throttle"
 DEFAULT_MAX_HOLD = 1.0
 DEFAULT_MAX_RESERVE = 300.0
 DEFAULT_PROBE_INTERVAL = 5.0
+DEFAULT_REPORT_INTERVAL = 5.0
 # Nutch and StormCrawler cap the Crawl-delay they honour at 30 s too.
 DEFAULT_MAX_CRAWL_DELAY = 30.0
 DEFAULT_PENALTY_HTTP_CODES = (429, 503)
@@ -86,21 +87,79 @@ class InvalidThrottleMeta(ValueError):
     """A request's ``redis_throttle_*`` meta value is invalid; that request fails."""
 
 
+TOKEN_BUCKET = "token_bucket"
+FIXED_WINDOW = "fixed_window"
+SLIDING_WINDOW = "sliding_window"
+# How lua/token_bucket.lua names each algorithm.
+ALGORITHM_CODES = {TOKEN_BUCKET: "t", FIXED_WINDOW: "f", SLIDING_WINDOW: "s"}
+
+
+@dataclass(frozen=True)
+class Quota:
+    """One more limit of a domain, checked with its token bucket in the same call."""
+
+    algorithm: str
+    """:data:`TOKEN_BUCKET`, :data:`FIXED_WINDOW` or :data:`SLIDING_WINDOW`."""
+    count: float
+    """A token bucket's burst, or the requests a window allows (a whole number)."""
+    period: float
+    """Seconds: a token bucket's time per token, or the window."""
+    text: str = field(compare=False)
+
+    @property
+    def rate(self) -> float:
+        """Requests per second in the long run."""
+        return (1 if self.algorithm == TOKEN_BUCKET else self.count) / self.period
+
+    @property
+    def script_args(self) -> tuple[str, str, str]:
+        """As ``lua/token_bucket.lua`` takes it: algorithm, count, period in µs."""
+        count, period = _number_text(self.count), _number_text(self.period * 1e6)
+        return ALGORITHM_CODES[self.algorithm], count, period
+
+    @property
+    def script_text(self) -> str:
+        """As a limit set live holds it (``lua/set_limit.lua``): ``"f1000/3600000000"``."""
+        algorithm, count, period = self.script_args
+        return f"{algorithm}{count}/{period}"
+
+    def __str__(self) -> str:
+        if self.algorithm == TOKEN_BUCKET:
+            return f"{self.text} (burst {_number_text(self.count)})"
+        return f"{self.text} ({self.algorithm.replace('_', ' ')})"
+
+
 @dataclass(frozen=True)
 class Limit:
-    """A domain's budget: ``rate`` requests per second on average, at most ``burst`` at once."""
+    """A domain's budget: ``rate`` requests per second on average, at most ``burst`` at once,
+    and the ``quotas`` it has on top, checked together in one call."""
 
     rate: float
     burst: int
     text: str = field(compare=False)
+    quotas: tuple[Quota, ...] = ()
+    windowed: bool = field(default=False, compare=False)
+    """The domain has only windows: its token bucket is the one they imply (never stricter,
+    see :func:`parse_limit`), shown as them."""
 
     @property
     def interval_us(self) -> float:
         """Microseconds to refill one token, the unit the Lua script takes."""
         return 1e6 / self.rate
 
+    @property
+    def sustained_rate(self) -> float:
+        """Requests per second in the long run: the slowest of the rate and the quotas'."""
+        return min([self.rate, *(quota.rate for quota in self.quotas)])
+
+    @property
+    def max_cost(self) -> float:
+        """The largest cost a request can have: the burst, or a smaller quota's count."""
+        return min([self.burst, *(quota.count for quota in self.quotas)])
+
     def __str__(self) -> str:
-        return f"{self.text} (burst {self.burst})"
+        parts = [] if self.windowed else [f"{self.text} (burst {self.burst})"]
+        return " and ".join(parts + [str(quota) for quota in self.quotas])
 
 
 @dataclass(frozen=True)
@@ -133,10 +192,17 @@ def parse_rate(value: object, *, source: str) -> float:
 
     *source* names where the value came from, for the error message.
     """
+    count, period = _rate_parts(value, source=source)
+    return count / period
+
+
+def _rate_parts(value: object, *, source: str) -> tuple[float, float]:
+    """A rate as (requests, per that many seconds): ``"1000/h"`` is (1000, 3600), a number of
+    requests per second *n* is (n, 1)."""
     if isinstance(value, bool):
         raise ThrottleConfigError(f"{source}: invalid rate {value!r}")
     if isinstance(value, (int, float)) or (isinstance(value, str) and _PER_SECOND_RE.match(value)):
-        rate = float(value)
+        count, period = float(value), 1.0
     elif isinstance(value, str):
         match = _RATE_RE.match(value.lower())
         if match is None:
@@ -153,14 +219,14 @@ def parse_rate(value: object, *, source: str) -> float:
         period = float(match["multiplier"] or 1) * unit
         if period <= 0:
             raise ThrottleConfigError(f"{source}: invalid rate {value!r}: the period is zero")
-        rate = float(match["count"]) / period
+        count = float(match["count"])
     else:
         raise ThrottleConfigError(
             f"{source}: invalid rate {value!r}: expected a string like '5/s' or a number"
         )
-    if not math.isfinite(rate) or rate <= 0:
+    if not (math.isfinite(count / period) and count > 0):
         raise ThrottleConfigError(f"{source}: rate must be positive and finite, got {value!r}")
-    return rate
+    return count, period
 
 
 def parse_positive_int(value: object, *, source: str, what: str) -> int:
@@ -177,24 +243,79 @@ def parse_burst(value: object, *, source: str) -> int:
 
 
 def parse_limit(value: object, *, default_burst: int, source: str) -> Limit | None:
-    """Parse a rate spec: ``"5/s"``, a number, ``{"rate": ..., "burst": ...}``, or ``None`` /
-    ``"unlimited"`` for no limit (returned as ``None``)."""
+    """Parse a limit: ``"5/s"``, a number, ``{"rate": ..., "burst": ..., "algorithm": ...}``, a
+    list of those (every one applies), or ``None`` / ``"unlimited"`` for no limit (returned as
+    ``None``).
+
+    The first token bucket is the domain's own (see :class:`Limit`); the others are its quotas.
+    A token bucket after the first item of a list is a quota: its burst is its count unless set
+    ("1000/h" may spend 1000 at once, as redis_rate's ``PerHour(1000)``).
+    A domain with only windows gets the token bucket they imply, which never refuses what they
+    allow: N per W allows at most N + N * T / W requests in any T seconds when it slides, at most
+    2N + N * T / W when fixed: a bucket of rate N / W and burst N, or 2N.
+    """
     if value is None or (isinstance(value, str) and value.strip().lower() == UNLIMITED):
         return None
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ThrottleConfigError(f"{source}: an empty list of limits (use None for none)")
+        parsed = [
+            _parse_quota(item, None if n else default_burst, f"{source}[{n}]")
+            for n, item in enumerate(value)
+        ]
+    else:
+        parsed = [_parse_quota(value, default_burst, source)]
+    quotas = [quota for quota, _ in parsed]
+    for own, (quota, rate) in enumerate(parsed):
+        if quota.algorithm == TOKEN_BUCKET:
+            others = tuple(quotas[:own] + quotas[own + 1 :])
+            return Limit(rate, int(quota.count), quota.text, others)
+    first, rate = parsed[0]
+    burst = first.count if first.algorithm == SLIDING_WINDOW else 2 * first.count
+    return Limit(rate, int(burst), first.text, tuple(quotas), windowed=True)
+
+
+def _parse_quota(value: object, default_burst: int | None, source: str) -> tuple[Quota, float]:
+    """The quota *value* describes, and its rate in requests per second. A token bucket's burst
+    is *default_burst*, or its rate's count when None."""
+    algorithm, burst, rate = TOKEN_BUCKET, default_burst, value
     if isinstance(value, Mapping):
-        unknown = set(value) - {"rate", "burst"}
+        unknown = set(value) - {"rate", "burst", "algorithm"}
         if unknown:
             raise ThrottleConfigError(
                 f"{source}: unknown key(s) {sorted(map(str, unknown))} in {dict(value)!r}; "
-                f"allowed: 'rate', 'burst'"
+                f"allowed: 'rate', 'burst', 'algorithm'"
             )
         if "rate" not in value:
             raise ThrottleConfigError(f"{source}: {dict(value)!r} has no 'rate'")
-        rate = parse_rate(value["rate"], source=source)
-        burst = parse_burst(value.get("burst", default_burst), source=source)
-        return Limit(rate, burst, _rate_text(value["rate"], rate))
-    rate = parse_rate(value, source=source)
-    return Limit(rate, default_burst, _rate_text(value, rate))
+        rate, algorithm = value["rate"], value.get("algorithm", TOKEN_BUCKET)
+        if algorithm not in ALGORITHM_CODES:
+            raise ThrottleConfigError(
+                f"{source}: unknown algorithm {algorithm!r}; expected one of "
+                f"{', '.join(map(repr, ALGORITHM_CODES))}"
+            )
+        if "burst" in value and algorithm != TOKEN_BUCKET:
+            raise ThrottleConfigError(
+                f"{source}: a {algorithm} has no burst (it allows the rate's count at once), "
+                f"got {dict(value)!r}"
+            )
+        if "burst" in value:
+            burst = parse_burst(value["burst"], source=source)
+    count, period = _rate_parts(rate, source=source)
+    text = _rate_text(rate, count / period)
+    if algorithm == TOKEN_BUCKET:
+        size = max(1, math.floor(count)) if burst is None else burst
+        return Quota(algorithm, float(size), period / count, text), count / period
+    if not count.is_integer():
+        raise ThrottleConfigError(
+            f"{source}: a {algorithm} counts whole requests: expected e.g. '10/2s', got {rate!r}"
+        )
+    return Quota(algorithm, count, period, text), count / period
+
+
+def _number_text(number: float) -> str:
+    """*number* with every digit, and without ``.0`` when whole."""
+    return str(int(number)) if number.is_integer() else repr(number)
 
 
 def format_rate(rate: float) -> str:
@@ -305,6 +426,8 @@ class ThrottleConfig:
     """How long such a pause is when the response has no Retry-After, and the longest."""
     adaptive: Adaptive | None
     """The adaptive rate, None when ``REDIS_THROTTLE_ADAPTIVE_ENABLED`` is off."""
+    report_interval: float
+    """Seconds between two reports of this worker's activity to Redis (0: none)."""
 
     @classmethod
     def from_crawler(cls, crawler: Crawler) -> ThrottleConfig:
@@ -363,6 +486,9 @@ class ThrottleConfig:
                 settings, "REDIS_THROTTLE_PROBE_INTERVAL", DEFAULT_PROBE_INTERVAL, minimum=0.1
             ),
             max_hold=_seconds(settings, "REDIS_THROTTLE_MAX_HOLD", DEFAULT_MAX_HOLD, minimum=0),
+            report_interval=_seconds(
+                settings, "REDIS_THROTTLE_REPORT_INTERVAL", DEFAULT_REPORT_INTERVAL, minimum=0
+            ),
             max_reserve=_seconds(
                 settings, "REDIS_THROTTLE_MAX_RESERVE", DEFAULT_MAX_RESERVE, minimum=1
             ),

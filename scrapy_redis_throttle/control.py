@@ -7,9 +7,12 @@ have one are also listed in the set ``<prefix>:live``, for :meth:`LiveControl.li
 
 from __future__ import annotations
 
+import json
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .activity import report_pattern
 from .bucket import (
     PENALTY_SUFFIX,
     RATE_SUFFIX,
@@ -19,7 +22,7 @@ from .bucket import (
     penalty_key,
     tagged_key,
 )
-from .config import format_rate
+from .config import ALGORITHM_CODES, TOKEN_BUCKET, Quota, format_rate
 from .scripts import load_script
 
 if TYPE_CHECKING:
@@ -39,24 +42,39 @@ class LiveLimit:
     """Requests per second."""
     burst: int | None
     paused: bool
+    quotas: tuple[Quota, ...] = ()
+    """With a rate: the domain's quotas (those of the workers do not apply)."""
 
     @classmethod
     def parse(cls, text: str) -> LiveLimit | None:
-        """From ``"<rate|-> <burst|-> <paused 0|1>"`` (see ``lua/set_limit.lua``)."""
+        """From ``"<rate|-> <burst|-> <paused 0|1>[ <quotas>]"`` (see ``lua/set_limit.lua``)."""
         fields = text.split()
-        if len(fields) != 3:
+        if len(fields) not in (3, 4):
             return None
-        rate, burst, paused = fields
+        rate, burst, paused, *quotas = fields
         return cls(
             rate=None if rate == "-" else float(rate),
             burst=None if burst == "-" else int(burst),
             paused=paused == "1",
+            quotas=tuple(map(_quota, quotas[0].split(","))) if quotas else (),
         )
 
     def __str__(self) -> str:
         rate = "workers' rate" if self.rate is None else format_rate(self.rate)
         burst = "workers' burst" if self.burst is None else f"burst {self.burst}"
-        return f"{rate} ({burst})" + (", PAUSED" if self.paused else "")
+        quotas = "".join(f" and {quota}" for quota in self.quotas)
+        return f"{rate} ({burst}){quotas}" + (", PAUSED" if self.paused else "")
+
+
+def _quota(text: str) -> Quota:
+    """A quota from its text in a live limit: ``"f1000/3600000000"`` (see
+    :attr:`.config.Quota.script_text`)."""
+    count, period = (float(number) for number in text[1:].split("/"))
+    algorithm = {code: name for name, code in ALGORITHM_CODES.items()}[text[0]]
+    period /= 1e6
+    if algorithm == TOKEN_BUCKET:
+        return Quota(algorithm, count, period, format_rate(1 / period))
+    return Quota(algorithm, count, period, f"{count:g}/{period:g}s")
 
 
 @dataclass(frozen=True)
@@ -97,9 +115,12 @@ class LiveControl:
     def _index(self) -> str:
         return f"{self._prefix}:live"
 
-    def set(self, domain: str, rate: float | None, burst: int | None) -> Change:
-        """*domain*'s rate (requests per second) and burst, None: the workers' own."""
-        return self._change(domain, "set", rate, burst)
+    def set(
+        self, domain: str, rate: float | None, burst: int | None, quotas: tuple[Quota, ...] = ()
+    ) -> Change:
+        """*domain*'s rate (requests per second) and burst, None: the workers' own; with a
+        rate, its *quotas* replace the workers' (none: none)."""
+        return self._change(domain, "set", rate, burst, quotas)
 
     def delete(self, domain: str) -> Change:
         """Back to the workers' own configuration (a pause set live ends too)."""
@@ -112,7 +133,12 @@ class LiveControl:
         return self._change(domain, "resume")
 
     def _change(
-        self, domain: str, action: str, rate: float | None = None, burst: int | None = None
+        self,
+        domain: str,
+        action: str,
+        rate: float | None = None,
+        burst: int | None = None,
+        quotas: tuple[Quota, ...] = (),
     ) -> Change:
         live, voided_us = self._set_limit(
             keys=[bucket_key(self._prefix, domain), penalty_key(self._prefix, domain)],
@@ -122,6 +148,7 @@ class LiveControl:
                 "-" if burst is None else str(burst),
                 penalty_channel(self._prefix),
                 domain,
+                ",".join(quota.script_text for quota in quotas),
             ],
         )
         limit = LiveLimit.parse(_text(live))
@@ -153,6 +180,22 @@ class LiveControl:
             key.decode()[start:-1]
             for key in self._client.scan_iter(tagged_key(self._prefix, "*"), count=SCAN_COUNT)
         )
+
+    def activity(self) -> dict[str, tuple[int, int]]:
+        """Per domain (by its :func:`.bucket.key_tag`), the fleet's requests in the last minute
+        and waiting now, added up from the workers' reports (see :mod:`.activity`)."""
+        reports = self._client.scan_iter(report_pattern(self._prefix), count=SCAN_COUNT)
+        pipeline = self._client.pipeline(transaction=False)
+        for report in reports:
+            pipeline.get(report)
+        totals: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0])
+        for report in pipeline.execute():
+            for key, counts in json.loads(report or "{}").items():  # None: expired meanwhile
+                total = totals[key_tag(key)]
+                total[0] += counts[0]
+                total[1] += counts[1]
+        # A request parked by a worker that stopped reporting may come back to another one.
+        return {tag: (went, max(0, waiting)) for tag, (went, waiting) in totals.items()}
 
     def states(self, tags: list[str]) -> list[DomainState]:
         """The state of each domain (by its :func:`.bucket.key_tag`), read in one pipeline."""

@@ -33,9 +33,10 @@ STATS_PREFIX = "redis_throttle/crawl_delay"
 def with_crawl_delay(configured: Limit | None, delay: float) -> Limit:
     """The limit of a host whose robots.txt asks for *delay* seconds between requests: at most
     one request per *delay*, and never faster than *configured* (``None``: unlimited)."""
+    quotas = () if configured is None else configured.quotas
     if configured is not None and configured.rate <= 1 / delay:
-        return Limit(configured.rate, 1, f"{configured.text} (Crawl-delay {delay:g} s)")
-    return Limit(1 / delay, 1, f"1/{delay:g}s (Crawl-delay)")
+        return Limit(configured.rate, 1, f"{configured.text} (Crawl-delay {delay:g} s)", quotas)
+    return Limit(1 / delay, 1, f"1/{delay:g}s (Crawl-delay)", quotas)
 
 
 class CrawlDelays:

@@ -42,6 +42,7 @@ from scrapy.utils.misc import load_object
 from twisted.internet.error import TCPTimedOutError
 from twisted.internet.error import TimeoutError as TwistedTimeoutError
 
+from .activity import Activity
 from .bucket import penalty_channel
 from .config import (
     InvalidThrottleMeta,
@@ -102,6 +103,13 @@ class RedisThrottleMiddleware:
             self._log_extra,
             forget=self.budget.local.forget,
         )
+        self.activity = Activity(
+            self.redis,
+            self.config.key_prefix,
+            self.config.report_interval,
+            crawler.stats,
+            self._log_extra,
+        )
         crawler.signals.connect(self._spider_opened, signal=signals.spider_opened)
         crawler.signals.connect(self._spider_closed, signal=signals.spider_closed)
 
@@ -141,9 +149,11 @@ class RedisThrottleMiddleware:
         await self.budget.check()
         # Pauses, decreases of adaptive rates and limits changed live void reservations.
         self.pauses.start()
+        self.activity.start()
 
     async def _spider_closed(self, spider: Spider) -> None:
         self.pauses.stop()
+        await self.activity.stop()
         await self.budget.aclose()
         await self.redis.aclose(close_connection_pool=True)
 
@@ -161,16 +171,28 @@ class RedisThrottleMiddleware:
             stats.inc_value(f"{STATS_PREFIX}/unthrottled")
             return None
         cost = self._cost(request, limit)
+        release = request.meta.pop(RELEASE_META, None)
+        if release is not None:
+            self.activity.wait(key, -1)  # parked until now
+        self.activity.wait(key, 1)
+        try:
+            return await self._take_turn(request, key, limit, cost, release)
+        finally:
+            self.activity.wait(key, -1)
 
+    async def _take_turn(
+        self, request: Request, key: str, limit: Limit, cost: float, release: dict[str, Any] | None
+    ) -> Request | None:
+        """Wait until *request* may go (None), or hand it back to be parked (a copy)."""
+        stats = self.stats
         loop = asyncio.get_running_loop()
         started = loop.time()
-        release = request.meta.pop(RELEASE_META, None)
         if release is not None and release["reserved"]:
             # Back from the parking area: its tokens are reserved for go_at.
             if release["go_at"] - started >= -LATE_RELEASE:
                 await self.pauses.sleep(key, release["go_at"] - started)
                 if self._may_go(key, release["reserved_at"], release["go_at"]):
-                    self._went(request, started, delayed=True)
+                    self._went(request, key, started, delayed=True)
                     return None
             else:
                 stats.inc_value(f"{STATS_PREFIX}/released_late")  # its moment passed: ask again
@@ -187,7 +209,7 @@ class RedisThrottleMiddleware:
                 await sleep(paused)
                 continue
             if result.allowed:
-                self._went(request, started, delayed)
+                self._went(request, key, started, delayed)
                 return None
             if result.paused:
                 stats.inc_value(f"{STATS_PREFIX}/paused_live")
@@ -213,7 +235,7 @@ class RedisThrottleMiddleware:
                 moment = loop.time() + result.retry_after
                 await self.pauses.sleep(key, result.retry_after)
                 if self._may_go(key, reserved_at, moment):
-                    self._went(request, started, delayed)
+                    self._went(request, key, started, delayed)
                     return None
                 continue
             if result.paused:
@@ -328,9 +350,10 @@ class RedisThrottleMiddleware:
             return False
         return True
 
-    def _went(self, request: Request, started: float, delayed: bool) -> None:
+    def _went(self, request: Request, key: str, started: float, delayed: bool) -> None:
         """Count a request that leaves for the download."""
         stats = self.stats
+        self.activity.went(key)
         if self.config.adaptive is not None:
             request.meta[SENT_META] = asyncio.get_running_loop().time()
         stats.inc_value(f"{STATS_PREFIX}/requests")
@@ -365,6 +388,7 @@ class RedisThrottleMiddleware:
             extra=self._log_extra(),
         )
         self.stats.inc_value(f"{STATS_PREFIX}/park_requests")
+        self.activity.wait(key, 1)
         park = {"delay": delay, "reserved": result.reserved, "reserved_at": reserved_at}
         return request.replace(meta={**request.meta, PARK_META: park})
 
@@ -385,11 +409,11 @@ class RedisThrottleMiddleware:
             or cost <= 0
         ):
             self._bad_meta(request, f"redis_throttle_cost must be a positive number, got {cost!r}")
-        if cost > limit.burst:
+        if cost > limit.max_cost:
             self._bad_meta(
                 request,
-                f"redis_throttle_cost {cost!r} exceeds the burst of {limit} for this domain, "
-                f"so the request could never go",
+                f"redis_throttle_cost {cost!r} exceeds {limit.max_cost:g}, the burst or count "
+                f"of {limit} for this domain, so the request could never go",
             )
         return float(cost)
 

@@ -10,9 +10,13 @@ from scrapy.settings import Settings
 
 from scrapy_redis_throttle.config import (
     DEFAULT_REDIS_PARAMS,
+    FIXED_WINDOW,
+    SLIDING_WINDOW,
+    TOKEN_BUCKET,
     Adaptive,
     Backoff,
     Limit,
+    Quota,
     ThrottleConfig,
     ThrottleConfigError,
     format_rate,
@@ -181,6 +185,41 @@ def test_settings_from_the_command_line_are_strings() -> None:
     assert cfg.crawl_delay is False
 
 
+def test_several_limits_and_windows() -> None:
+    cfg = config(
+        spider_rates={
+            "api.example": ["5/s", {"rate": "1000/h", "algorithm": "sliding_window"}, "100/m"],
+            "search.example": {"rate": "10/2s", "algorithm": "fixed_window"},
+            "log.example": [{"rate": "30/m", "algorithm": "sliding_window"}, "2/s"],
+        },
+        REDIS_THROTTLE_DEFAULT_BURST=2,
+    )
+    api = cfg.limits.lookup("api.example")
+    assert api == Limit(
+        5,
+        2,
+        "5/s",
+        (Quota(SLIDING_WINDOW, 1000, 3600, "1000/h"), Quota(TOKEN_BUCKET, 100, 0.6, "100/m")),
+    ), "a token bucket after the first item: its burst is its count"
+    assert str(api) == "5/s (burst 2) and 1000/h (sliding window) and 100/m (burst 100)"
+    assert api.sustained_rate == 1000 / 3600, "the hourly quota, in the long run"
+    assert api.max_cost == 2
+    # Windows only: the bucket they imply (2N for a fixed window), shown as them.
+    search = cfg.limits.lookup("search.example")
+    assert search == Limit(5, 20, "10/2s", (Quota(FIXED_WINDOW, 10, 2, "10/2s"),))
+    assert str(search) == "10/2s (fixed window)"
+    assert search.max_cost == 10
+    # The first token bucket is the domain's own, wherever it is in the list.
+    log = cfg.limits.lookup("log.example")
+    assert log == Limit(2, 2, "2/s", (Quota(SLIDING_WINDOW, 30, 60, "30/m"),))
+    assert log.sustained_rate == 0.5
+    assert [quota.script_text for quota in (*api.quotas, *log.quotas)] == [
+        "s1000/3600000000",
+        "t100/600000",
+        "s30/60000000",
+    ]
+
+
 def test_describe_lists_effective_limits() -> None:
     cfg = config(spider_rates={"a.example": "5/s", "*.b.example": None})
     assert cfg.limits.describe() == [
@@ -237,6 +276,12 @@ ADAPTIVE = {"REDIS_THROTTLE_ADAPTIVE_ENABLED": True}
         ({**ADAPTIVE, "REDIS_THROTTLE_ADAPTIVE_MIN_RATE": "0/s"}, "REDIS_THROTTLE_ADAPTIVE_MIN_RATE: rate must be positive and finite, got '0/s'"),
         ({**ADAPTIVE, "REDIS_THROTTLE_ADAPTIVE_RECOVERY": -5}, "REDIS_THROTTLE_ADAPTIVE_RECOVERY must be a number of seconds >= 0.001, got -5"),
         ({"REDIS_THROTTLE_MAX_RESERVE": "soon"}, "REDIS_THROTTLE_MAX_RESERVE must be a number of seconds >= 1, got 'soon'"),
+        ({"REDIS_THROTTLE_REPORT_INTERVAL": -1}, "REDIS_THROTTLE_REPORT_INTERVAL must be a number of seconds >= 0, got -1"),
+        ({"REDIS_THROTTLE_RATES": {"a.example": []}}, r"REDIS_THROTTLE_RATES\['a.example'\]: an empty list of limits"),
+        ({"REDIS_THROTTLE_RATES": {"a.example": ["1/s", "x"]}}, r"REDIS_THROTTLE_RATES\['a.example'\]\[1\]: invalid rate 'x'"),
+        ({"REDIS_THROTTLE_RATES": {"a.example": {"rate": "1/s", "algorithm": "leaky"}}}, "unknown algorithm 'leaky'; expected one of 'token_bucket', 'fixed_window', 'sliding_window'"),
+        ({"REDIS_THROTTLE_RATES": {"a.example": {"rate": "2.5/s", "algorithm": "sliding_window"}}}, "a sliding_window counts whole requests: expected e.g. '10/2s', got '2.5/s'"),
+        ({"REDIS_THROTTLE_RATES": {"a.example": {"rate": "5/s", "algorithm": "fixed_window", "burst": 2}}}, "a fixed_window has no burst"),
     ],
 )  # fmt: skip
 def test_invalid_settings_name_the_setting_and_value(kwargs: dict[str, Any], message: str) -> None:

@@ -166,8 +166,8 @@ async def test_invalid_meta_fails_only_that_request(
     assert sorted(crawler.spider.failure_messages) == sorted(  # type: ignore[union-attr]
         [
             f"redis_throttle_cost must be a positive number, got -1 (<GET {url}10>)",
-            f"redis_throttle_cost 5 exceeds the burst of 50/s (burst 2) for this domain, so the "
-            f"request could never go (<GET {url}11>)",
+            f"redis_throttle_cost 5 exceeds 2, the burst or count of 50/s (burst 2) for this "
+            f"domain, so the request could never go (<GET {url}11>)",
             f"redis_throttle_cost must be a positive number, got '1' (<GET {url}12>)",
             f"redis_throttle_cost must be a positive number, got nan (<GET {url}13>)",
             f"redis_throttle_key must be a non-empty string, got '' (<GET {url}14>)",

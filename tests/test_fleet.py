@@ -12,15 +12,23 @@ from pathlib import Path
 import pytest
 from demo_site import HOSTS, DemoSite
 from local_redis import RedisServer
-from run_demo import Run, configured_limits, reset_redis, start_workers, stop_workers
-from support import achieved_rate, assert_paced, wait_until
+from run_demo import (
+    Run,
+    busiest_window,
+    configured_limits,
+    reset_redis,
+    start_workers,
+    stop_workers,
+)
+from support import ARRIVAL_JITTER, achieved_rate, assert_paced, wait_until
 
 from scrapy_redis_throttle import Limit
 from scrapy_redis_throttle.config import DEFAULT_MAX_HOLD
 from scrapy_redis_throttle.scheduler import RELEASE_AHEAD
 
 WORKERS = 3
-# The example spider's limits: 4/s, 2/s with a burst of 3, and one request every 2 s.
+# The example spider's limits: 4/s; 2/s with a burst of 3 and at most 15 in any 10.1 s (a
+# sliding window); and one request every 2 s.
 LIMITS = configured_limits()
 # About 14 s of crawling for every domain at its limit.
 PAGES = {"127.0.0.2": 55, "127.0.0.3": 25, "127.0.0.4": 6}
@@ -74,8 +82,14 @@ def test_fleet_shares_each_domain_budget_and_fetches_every_page_once(
         assert [p for p, n in paths.items() if n > 1] == [], f"{host}: pages fetched twice"
         times = [a.time for a in site.arrivals(host)]
         assert_paced(times, limit.rate, limit.burst, what=host, jitter=0, extra=TOLERANCE)
+        for quota in limit.quotas:
+            # Exact in Redis's clock; the site's clock sees each window short of the jitter.
+            window = quota.period - ARRIVAL_JITTER
+            most = busiest_window(times, window)
+            assert most <= quota.count, f"{host}: {most} in {window:g} s, limit {limit}"
         achieved = achieved_rate(times, limit.burst)
-        assert achieved >= 0.9 * limit.rate, f"{host}: {achieved:.2f}/s, limit {limit}"
+        rate = limit.sustained_rate
+        assert achieved >= 0.9 * rate, f"{host}: {achieved:.2f}/s, limit {limit}"
 
 
 def test_a_killed_worker_does_not_stop_the_others_from_keeping_the_limit(

@@ -208,16 +208,36 @@ def test_status_shows_the_active_domains_with_the_project_limits(
     lines = [line.split("  ") for line in done.stdout.splitlines()]
     cells = [[cell.strip() for cell in line if cell.strip()] for line in lines]
     assert cells == [
-        ["domain", "limit", "set", "tokens left", "full in", "penalty pause", "adaptive"],
-        ["127.0.0.3", "1/s (workers' burst)", "live", "3.0", "0.0 s", "-", "-"],
-        ["127.0.0.4", "workers' rate (workers' burst), PAUSED", "live", "1.0", "0.0 s", "-", "-"],
+        [
+            "domain",
+            "limit",
+            "set",
+            "tokens left",
+            "full in",
+            "last minute",
+            "waiting",
+            "penalty pause",
+            "adaptive",
+        ],
+        ["127.0.0.3", "1/s (workers' burst)", "live", "3.0", "0.0 s", "0", "0", "-", "-"],
+        [
+            "127.0.0.4",
+            "workers' rate (workers' burst), PAUSED",
+            "live",
+            "1.0",
+            "0.0 s",
+            "0",
+            "0",
+            "-",
+            "-",
+        ],
     ], "the burst and rates of the example spider's redis_throttle_rates"
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["set", "shop.example", "fast"], "RATE: invalid rate 'fast'"),
+        (["set", "shop.example", "fast"], "LIMIT[0]: invalid rate 'fast'"),
         (["set", "shop.example", "1/s", "--burst", "0"], "--burst: burst must be an integer"),
         (["get"], "the following arguments are required: DOMAIN"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),

@@ -17,6 +17,15 @@ if TYPE_CHECKING:
 
 A = HOSTS[0]
 README = Path(__file__).resolve().parent.parent / "README.md"
+# Every script's command in use: a bucket, a fixed window, and a sliding window that refuses the
+# third request of three.
+RATES = {
+    A: [
+        "20/s",
+        {"rate": "100/m", "algorithm": "fixed_window"},
+        {"rate": "2/0.3s", "algorithm": "sliding_window"},
+    ]
+}
 
 
 def documented_acl_rules() -> list[str]:
@@ -30,7 +39,7 @@ def assert_shared(crawler: Crawler) -> None:
     stats = crawler.stats.get_stats()
     assert stats["test/responses"] == 5
     assert stats["redis_throttle/redis_calls"] >= 5
-    errors = {key: value for key, value in stats.items() if "redis_errors" in key}
+    errors = {key: value for key, value in stats.items() if "errors" in key}
     assert errors == {}
     assert "redis_throttle/outages" not in stats
 
@@ -44,7 +53,7 @@ async def test_acl_user_with_the_documented_minimal_rights(site: DemoSite) -> No
         crawler = await run_crawl(
             crawl_settings(url, SCHEDULER="scrapy_redis_throttle.ThrottleScheduler"),
             [{"url": site.url(A, f"/page/{n}")} for n in range(5)],
-            redis_throttle_rates={A: "20/s"},
+            redis_throttle_rates=RATES,
         )
         with server.client() as admin:
             # A cold script cache (a restart, a failover) needs SCRIPT LOAD, also allowed.
@@ -52,14 +61,15 @@ async def test_acl_user_with_the_documented_minimal_rights(site: DemoSite) -> No
         crawler_after_flush = await run_crawl(
             crawl_settings(url, SCHEDULER="scrapy_redis_throttle.ThrottleScheduler"),
             [{"url": site.url(A, f"/page/{n}")} for n in range(5, 10)],
-            redis_throttle_rates={A: "20/s"},
+            redis_throttle_rates=RATES,
         )
     assert_shared(crawler)
     assert_shared(crawler_after_flush)
 
 
-# Used only by the listener for other workers' pauses: without them, the crawl still has Redis.
-LISTENER_RIGHTS = {"+subscribe", "&redis_throttle:penalties"}
+# Used only by the listener for other workers' pauses, and by the activity report when the
+# worker stops: without them, the crawl still has Redis.
+RIGHTS_BESIDE_THE_BUCKETS = {"+subscribe", "&redis_throttle:penalties", "+del"}
 
 
 @pytest.mark.parametrize("dropped", [rule for rule in documented_acl_rules() if rule[0] in "+~&"])
@@ -78,14 +88,16 @@ async def test_each_documented_right_is_needed(dropped: str) -> None:
         crawler = await run_crawl(
             crawl_settings(url, REDIS_THROTTLE_PROBE_INTERVAL=0.1),
             [{"url": site.url(A, f"/page/{n}")} for n in range(3)],
-            redis_throttle_rates={A: "20/s"},
+            redis_throttle_rates=RATES,
         )
     stats = crawler.stats.get_stats()
     assert stats["test/responses"] == 3
     # NoPermissionError, or a ResponseError for a command inside the script.
-    error_stats = ("redis_throttle/redis_errors/", "redis_throttle/listener_errors/")
+    error_stats = tuple(
+        f"redis_throttle/{errors}_errors/" for errors in ("redis", "listener", "activity")
+    )
     assert sum(v for k, v in stats.items() if k.startswith(error_stats)) >= 1
-    if dropped not in LISTENER_RIGHTS:
+    if dropped not in RIGHTS_BESIDE_THE_BUCKETS:
         assert stats["redis_throttle/fallback/local"] >= 1
 
 

@@ -1,0 +1,396 @@
+"""Several limits per domain and the window algorithms, in a real redis-server and real crawls;
+the fleet's activity reported for ``scrapy-redis-throttle status``."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+import redis
+from demo_site import HOSTS, DemoSite
+from local_redis import RedisServer
+from support import (
+    ARRIVAL_JITTER,
+    async_test,
+    crawl_settings,
+    finish_crawl_workers,
+    pages,
+    redis_now_us,
+    run_crawl,
+    start_crawl_workers,
+    token_bucket,
+    wait_until,
+    wait_until_async,
+)
+
+from scrapy_redis_throttle.bucket import LOG_SUFFIX, QUOTA_SUFFIX, bucket_key
+from scrapy_redis_throttle.cli import EXIT_BAD_INPUT
+from scrapy_redis_throttle.config import Limit, parse_limit
+from scrapy_redis_throttle.control import LiveControl
+from scrapy_redis_throttle.scripts import load_script
+
+A, B, _ = HOSTS
+KEY = bucket_key("ns", A)
+SLIDING = "sliding_window"
+FIXED = "fixed_window"
+
+
+def limit(*specs: object) -> Limit:
+    parsed = parse_limit(list(specs), default_burst=1, source="test")
+    assert parsed is not None
+    return parsed
+
+
+def state(client: redis.Redis, key: str = KEY) -> tuple[Any, ...]:
+    """Everything Redis holds of the domain's limits."""
+    return (
+        client.get(key),
+        client.hgetall(key + QUOTA_SUFFIX),
+        client.zrange(key + LOG_SUFFIX, 0, -1, withscores=True),
+    )
+
+
+def logged(client: redis.Redis, key: str) -> list[float]:
+    """The moments in a domain's log, in µs (whole numbers: no rounding at a window's edge)."""
+    entries: list[tuple[bytes, float]] = client.zrange(  # type: ignore[assignment]
+        key + LOG_SUFFIX, 0, -1, withscores=True
+    )
+    return [score for _, score in entries]
+
+
+def most_in_a_window(times: list[float], window: float) -> int:
+    """The most of *times* within any (t - window, t]."""
+    times = sorted(times)
+    start, most = 0, 0
+    for end, moment in enumerate(times):
+        while times[start] <= moment - window:
+            start += 1
+        most = max(most, end - start + 1)
+    return most
+
+
+@async_test
+async def test_a_request_goes_when_every_limit_allows_it_and_none_is_charged_otherwise(
+    redis_server: RedisServer,
+) -> None:
+    # The bucket allows 10 at once, the sliding window 2 a minute, the other bucket 2 at once.
+    limits = limit(
+        {"rate": "1000/s", "burst": 10},
+        {"rate": "2/m", "algorithm": SLIDING},
+        {"rate": "1/10s", "burst": 2},
+    )
+    with redis.Redis.from_url(redis_server.url) as client:
+        async with token_bucket(redis_server) as bucket:
+            started = time.monotonic()
+            first = await bucket.acquire(A, limits)
+            second = await bucket.acquire(A, limits)
+            before = state(client)
+            refused = await bucket.acquire(A, limits, reserve=59)
+            after = state(client)
+            reserved = await bucket.acquire(A, limits, reserve=60)
+            elapsed = time.monotonic() - started
+            log = logged(client, KEY)
+
+    assert (first.allowed, first.tokens_left) == (True, 1.0)  # 1 left in the window
+    assert (second.allowed, second.tokens_left) == (True, 0.0)
+    # The longest wait: the window's (60 s after the first), not the second bucket's (10 s).
+    assert not refused.allowed
+    assert not refused.reserved
+    assert 60 - elapsed <= refused.retry_after <= 60
+    assert after == before, "a request refused takes nothing from any limit"
+    # Within the horizon, the moment is reserved in every limit.
+    assert reserved.reserved
+    assert 60 - elapsed <= reserved.retry_after <= 60
+    assert log[2] == log[0] + 60_000_000, "reserved as the first leaves the window"
+
+
+@async_test
+async def test_a_limit_that_allows_is_not_charged_when_the_bucket_refuses(
+    redis_server: RedisServer,
+) -> None:
+    limits = limit(
+        "1/s", {"rate": "5/m", "algorithm": SLIDING}, {"rate": "5/m", "algorithm": FIXED}
+    )
+    with redis.Redis.from_url(redis_server.url) as client:
+        async with token_bucket(redis_server) as bucket:
+            assert (await bucket.acquire(A, limits)).allowed
+            before = state(client)
+            refused = await bucket.acquire(A, limits)
+            assert state(client) == before
+    assert not refused.allowed
+    assert not refused.reserved
+    assert 0 < refused.retry_after <= 1
+    assert len(before[2]) == 1
+    assert [value.split()[1] for value in before[1].values()] == [b"1"]
+
+
+@async_test
+async def test_a_fixed_window_counts_until_its_end_then_starts_again(
+    redis_server: RedisServer,
+) -> None:
+    limits = limit({"rate": "3/s", "algorithm": FIXED})
+    # Windows follow one another from the scripts' epoch, in Redis's clock: one starts at each
+    # whole second. Starting in a window's first half, the first 3 are in one window.
+    with redis.Redis.from_url(redis_server.url) as client:
+        await wait_until_async(
+            lambda: redis_now_us(client) % 1_000_000 < 400_000, "the start of a window"
+        )
+        async with token_bucket(redis_server) as bucket:
+            allowed = [await bucket.acquire(A, limits) for _ in range(3)]
+            before = redis_now_us(client)
+            refused = await bucket.acquire(A, limits)
+            after = redis_now_us(client)
+            await asyncio.sleep(refused.retry_after)
+            again = [await bucket.acquire(A, limits) for _ in range(4)]
+    assert [result.allowed for result in allowed] == [True] * 3
+    assert not refused.allowed
+    # It may go at the end of the window it asked in: a whole second, in Redis's clock.
+    wait_us = round(refused.retry_after * 1e6)
+    assert 0 < wait_us <= 1_000_000
+    assert (after + wait_us) // 1_000_000 * 1_000_000 >= before + wait_us
+    assert [result.allowed for result in again] == [True] * 3 + [False]
+    assert [result.tokens_left for result in again[:3]] == [2, 1, 0]
+
+
+@async_test
+async def test_reserved_moments_keep_every_window(redis_server: RedisServer) -> None:
+    """12 requests at once reserve their moments: 3 in any 1 s, and 5 in each fixed 2 s."""
+    limits = limit(
+        {"rate": "100/s", "burst": 10},
+        {"rate": "3/s", "algorithm": SLIDING},
+        {"rate": "5/2s", "algorithm": FIXED},
+    )
+    with redis.Redis.from_url(redis_server.url) as client:
+        # All in one fixed window's time: the hash keeps the windows from the current one on.
+        await wait_until_async(
+            lambda: redis_now_us(client) % 2_000_000 < 1_500_000, "the start of a window"
+        )
+        async with token_bucket(redis_server) as bucket:
+            results = [await bucket.acquire(A, limits, reserve=10) for _ in range(12)]
+            moments = logged(client, KEY)
+            windows = client.hget(KEY + QUOTA_SUFFIX, "f5/2000000").split()
+    assert [result.allowed for result in results] == [True] * 3 + [False] * 9
+    assert all(result.reserved for result in results[3:])
+    assert [result.tokens_left for result in results[:3]] == [2, 1, 0]
+    assert len(moments) == 12
+    assert most_in_a_window(moments, 1_000_000) == 3
+    by_window = {
+        int(start): int(count) for start, count in zip(windows[::2], windows[1::2], strict=True)
+    }
+    assert sum(by_window.values()) == 12
+    assert max(by_window.values()) == 5
+    assert by_window == {
+        window: sum(1 for moment in moments if moment // 2_000_000 == window)
+        for window in by_window
+    }
+
+
+@async_test
+async def test_a_sliding_window_never_allows_more_than_its_count_in_any_window(
+    redis_server: RedisServer,
+) -> None:
+    """Four callers on two connections ask as fast as they may for 3 s, two of them reserving
+    their moments as the middleware does: 5 per 0.5 s."""
+    # A second, loose window keeps the log of every request for a minute: the moments they
+    # went, in Redis's clock, to the microsecond.
+    limits = limit(
+        {"rate": "5/0.5s", "algorithm": SLIDING}, {"rate": "1000/m", "algorithm": SLIDING}
+    )
+    granted = 0
+
+    async def caller(bucket: Any, until: float, reserve: float) -> None:
+        nonlocal granted
+        while time.monotonic() < until:
+            result = await bucket.acquire(A, limits, reserve=reserve)
+            if result.allowed or result.reserved:
+                granted += 1
+            await asyncio.sleep(result.retry_after)
+
+    until = time.monotonic() + 3
+    async with token_bucket(redis_server) as one, token_bucket(redis_server) as other:
+        await asyncio.gather(
+            *(caller(bucket, until, reserve) for bucket in (one, other) for reserve in (0, 5))
+        )
+    with redis.Redis.from_url(redis_server.url) as client:
+        moments = logged(client, KEY)
+    assert len(moments) == granted >= 10
+    assert most_in_a_window(moments, 500_000) == 5
+
+
+def test_the_script_checks_each_limit(redis_server: RedisServer) -> None:
+    keys = [KEY, KEY + ":rate", KEY + QUOTA_SUFFIX, KEY + LOG_SUFFIX]
+    with redis.Redis.from_url(redis_server.url) as client:
+        script = client.register_script(load_script("token_bucket.lua"))
+        base = ["100000", "5", "1", "0", "0"]
+        for extra, message in [
+            (["x", "5", "1000000"], "limit 1 must be t, f or s"),
+            (["s", "0", "1000000"], "limit 1 must be t, f or s"),
+            (["f", "1.5", "1000000"], "whole for windows"),
+            (["s", "5", "-1"], "a period > 0"),
+            (["s", "5"], "got s 5 nil"),
+        ]:
+            with pytest.raises(redis.ResponseError, match=message):
+                script(keys=keys, args=base + extra)
+        with pytest.raises(redis.ResponseError, match="cost 3 exceeds limit 2's count 2"):
+            script(keys=keys, args=["100000", "5", "3", "0", "0", "t", "5", "1", "s", "2", "1e6"])
+        assert client.keys("*") == [], "nothing written"
+
+
+@async_test
+async def test_quotas_set_live_apply_to_workers_that_have_none(redis_server: RedisServer) -> None:
+    plain = limit("10/s")
+    with redis.Redis.from_url(redis_server.url) as client:
+        control = LiveControl(client, "ns")
+        window = limit({"rate": "2/m", "algorithm": SLIDING})
+        change = control.set(A, 100, 5, window.quotas)
+        assert str(change.live) == "100/s (burst 5) and 2/60s (sliding window)"
+
+        async def three() -> list[Any]:
+            async with token_bucket(redis_server) as bucket:
+                return [await bucket.acquire(A, plain) for _ in range(3)]
+
+        results = await three()
+        assert [r.allowed for r in results] == [True, True, False]
+        assert 59 <= results[2].retry_after <= 60
+        assert client.zcard(KEY + LOG_SUFFIX) == 2
+
+        control.delete(A)
+        back = await three()
+        assert back[0].allowed, "the workers' own limit again: no window"
+        assert client.zcard(KEY + LOG_SUFFIX) == 2
+
+
+def tool(redis_url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "scrapy_redis_throttle.cli", "--redis-url", redis_url, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@async_test
+async def test_the_tool_sets_several_limits(redis_server: RedisServer) -> None:
+    url = redis_server.url
+    done = tool(url, "--key-prefix", "ns", "set", A, "5/s", "fixed_window:1000/h", "--burst", "2")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"{A}: 5/s (burst 2) and 1000/3600s (fixed window)\n"
+    done = tool(url, "--key-prefix", "ns", "set", B, "sliding_window:10/2s")
+    assert done.stdout == f"{B}: 5/s (burst 10) and 10/2s (sliding window)\n"
+    with redis.Redis.from_url(url) as client:
+        assert client.get(bucket_key("ns", A)).endswith(b" 5.0 2 0 f1000/3600000000")
+
+        async with token_bucket(redis_server) as bucket:
+            results = [await bucket.acquire(B, limit("1/s")) for _ in range(11)]
+    assert [r.allowed for r in results] == [True] * 10 + [False]
+
+    for args, message in [
+        (["set", A, "hourly:5/s"], "LIMIT[0]: unknown algorithm 'hourly'"),
+        (["set", A, "sliding_window:2.5/s"], "counts whole requests"),
+        (["set", A, "sliding_window:10/2s", "--burst", "3"], "only a token bucket has a burst"),
+    ]:
+        done = tool(url, *args)
+        assert done.returncode == EXIT_BAD_INPUT
+        assert message in done.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["set", "1", "-", "ch", "n", "f1.5/10"],
+        ["set", "1", "-", "ch", "n", "t1/10,x"],
+        ["set", "1", "-", "ch", "n", "s0/10"],
+        ["set", "-", "-", "ch", "n", "t1/10"],  # quotas come with a rate
+    ],
+)
+def test_set_limit_checks_the_quotas(redis_server: RedisServer, args: list[str]) -> None:
+    with redis.Redis.from_url(redis_server.url) as client:
+        script = client.register_script(load_script("set_limit.lua"))
+        with pytest.raises(redis.ResponseError, match="more limits with a rate"):
+            script(keys=[KEY, KEY + ":penalty"], args=args)
+
+
+def test_a_fleet_keeps_to_a_sliding_window(redis_server: RedisServer) -> None:
+    """Three worker processes crawl A limited to 10 per 2 s (sliding): 60 pages take 10 s."""
+    # The loose second window keeps the log of a minute: the moments every request went.
+    rates = {A: [{"rate": "10/2s", "algorithm": SLIDING}, {"rate": "1000/m", "algorithm": SLIDING}]}
+    with DemoSite(HOSTS, pages=60) as site:
+        jobs = [
+            {
+                "settings": crawl_settings(redis_server.url),
+                "requests": pages(site, A, 20, first=worker * 20),
+                "spider_attributes": {"redis_throttle_rates": rates},
+            }
+            for worker in range(3)
+        ]
+        finish_crawl_workers(start_crawl_workers(redis_server.url, jobs), 120)
+        arrivals = [arrival.time for arrival in site.arrivals(A)]
+    with redis.Redis.from_url(redis_server.url) as client:
+        moments = logged(client, bucket_key("redis_throttle", A))
+
+    assert len(arrivals) == len(moments) == 60
+    assert max(moments) - min(moments) > 10_000_000, "60 at 10 per 2 s: over 10 s"
+    # Exact in Redis's clock: no 2 s window holds more than 10.
+    assert most_in_a_window(moments, 2_000_000) == 10
+    # At the site, up to the network's jitter.
+    assert most_in_a_window(arrivals, 2 - ARRIVAL_JITTER) <= 10
+
+
+@async_test
+async def test_the_workers_report_what_they_do(redis_server: RedisServer, site: DemoSite) -> None:
+    """While a crawl waits for A's turns, its report counts the requests that went in the last
+    minute and those waiting; the report goes when the crawl ends."""
+    client = redis.Redis.from_url(redis_server.url)
+    control = LiveControl(client, "redis_throttle")
+    seen: list[dict[str, tuple[int, int]]] = []
+
+    def busy() -> bool:
+        seen.append(control.activity())
+        went, waiting = seen[-1].get(A, (0, 0))
+        return went >= 2 and waiting >= 2
+
+    crawl = asyncio.ensure_future(
+        run_crawl(
+            crawl_settings(redis_server.url, REDIS_THROTTLE_REPORT_INTERVAL=0.1),
+            pages(site, A, 10),
+            redis_throttle_rates={A: "5/s"},
+        )
+    )
+    await wait_until_async(busy, "a report of A's requests going and waiting")
+    await crawl
+    assert control.activity() == {}, "a worker that stops takes its report away"
+    client.close()
+
+
+def test_status_shows_the_fleets_activity(redis_server: RedisServer) -> None:
+    """Two worker processes crawl A at 2/s: ``status`` shows the requests of the last minute
+    and those waiting, added up."""
+    with DemoSite(HOSTS, pages=20) as site:
+        settings = crawl_settings(redis_server.url, REDIS_THROTTLE_REPORT_INTERVAL=0.2)
+        jobs = [
+            {
+                "settings": settings,
+                "requests": pages(site, A, 6, first=worker * 6),
+                "spider_attributes": {"redis_throttle_rates": {A: "2/s"}},
+            }
+            for worker in range(2)
+        ]
+        workers = start_crawl_workers(redis_server.url, jobs)
+        lines: list[str] = []
+
+        def shown() -> bool:
+            lines[:] = tool(redis_server.url, "status").stdout.splitlines()
+            rows = [line for line in lines if line.startswith(A)]
+            # domain, limit..., tokens left, full in ("x.x s"), last minute, waiting, ...
+            match = re.search(r" s\s+(\d+)\s+(\d+)\s", rows[0]) if rows else None
+            return match is not None and int(match[1]) >= 2 and int(match[2]) >= 4
+
+        wait_until(shown, 60, "a status row of A with requests gone and waiting")
+        finish_crawl_workers(workers, 60)
+    assert "full in  last minute  waiting  penalty pause" in lines[0]
