@@ -28,10 +28,11 @@ local valid_burst = burst == "-" or (tonumber(burst) and tonumber(burst) >= 1
 -- Checked as token_bucket.lua checks them: a bad limit here would fail every acquire.
 local valid_limits = limits == "" or rate ~= "-"
 for item in string.gmatch(limits ~= "" and limits .. "," or "", "([^,]*),") do
-  local algorithm, count, period = string.match(item, "^([tfs])([^/]+)/(.+)$")
+  local algorithm, count, period = string.match(item, "^([tfs])([%d.eE+-]+)/([%d.eE+-]+)$")
   count, period = tonumber(count), tonumber(period)
   valid_limits = valid_limits and count and period and count >= 1 and count < math.huge
-    and period > 0 and period < math.huge and (algorithm == "t" or count == math.floor(count))
+    and period > 0 and period < math.huge
+    and (algorithm == "t" or (count == math.floor(count) and period == math.floor(period)))
 end
 if not (action == "set" or action == "delete" or action == "pause" or action == "resume")
     or not valid_rate or not valid_burst or not valid_limits or not ARGV[5] then

@@ -115,6 +115,8 @@ if live_limits and live_limits ~= "" then
   limits = {}
   for algorithm, count, period in string.gmatch(live_limits, "(%a)([^/,]+)/([^,]+)") do
     limits[#limits + 1] = {algorithm, count, period}
+    -- As with a live burst: a request the workers' own limits let cost more goes at this cost.
+    cost = math.min(cost, tonumber(count) or cost)
   end
 elseif not live_limits and ARGV[6] then
   limits = {}
@@ -151,11 +153,13 @@ if limits then
   local moment = now + wait
   for index, limit in ipairs(limits) do
     local algorithm, count, period = limit[1], tonumber(limit[2]), tonumber(limit[3])
+    -- A window's count and period are whole numbers: window n starts at n x period exactly.
+    local whole = count and period and count == math.floor(count) and period == math.floor(period)
     if not ((algorithm == "t" or algorithm == "f" or algorithm == "s") and count and period
         and count >= 1 and count < huge and period > 0 and period < huge
-        and (algorithm == "t" or count == math.floor(count))) then
+        and (algorithm == "t" or whole)) then
       return redis.error_reply("ERR redis_throttle: limit " .. index .. " must be t, f or s, a "
-        .. "count >= 1 (whole for windows) and a period > 0, got "
+        .. "count >= 1 and a period > 0 (both whole for windows), got "
         .. table.concat({tostring(limit[1]), tostring(limit[2]), tostring(limit[3])}, " "))
     end
     if counted > count then
@@ -165,8 +169,8 @@ if limits then
     local quota = {algorithm = algorithm, count = count, period = period,
       field = algorithm .. limit[2] .. "/" .. limit[3]}
     if algorithm == "t" then
-      local state = tonumber(redis.call("HGET", KEYS[3], quota.field))
-      quota.tat = math.max(state or 0, now + busy_for)
+      -- busy_for is the domain's own bucket's: a quota's tokens were not taken meanwhile.
+      quota.tat = math.max(tonumber(redis.call("HGET", KEYS[3], quota.field)) or 0, now)
       moment = math.max(moment, quota.tat + (cost - count) * period)
     elseif algorithm == "f" then
       -- "<window> <count> ...": the requests of each window from now on (some reserved ahead).

@@ -113,9 +113,12 @@ class Quota:
 
     @property
     def script_args(self) -> tuple[str, str, str]:
-        """As ``lua/token_bucket.lua`` takes it: algorithm, count, period in µs."""
-        count, period = _number_text(self.count), _number_text(self.period * 1e6)
-        return ALGORITHM_CODES[self.algorithm], count, period
+        """As ``lua/token_bucket.lua`` takes it: algorithm, count, period in µs (whole for a
+        window: ``"10/4.1s"`` is 4099999.9999999995 µs in floats)."""
+        period = self.period * 1e6
+        if self.algorithm != TOKEN_BUCKET:
+            period = float(round(period))
+        return ALGORITHM_CODES[self.algorithm], _number_text(self.count), _number_text(period)
 
     @property
     def script_text(self) -> str:

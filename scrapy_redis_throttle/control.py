@@ -12,7 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .activity import report_pattern
+from .activity import parked_key, report_pattern
 from .bucket import (
     PENALTY_SUFFIX,
     RATE_SUFFIX,
@@ -183,19 +183,24 @@ class LiveControl:
 
     def activity(self) -> dict[str, tuple[int, int]]:
         """Per domain (by its :func:`.bucket.key_tag`), the fleet's requests in the last minute
-        and waiting now, added up from the workers' reports (see :mod:`.activity`)."""
-        reports = self._client.scan_iter(report_pattern(self._prefix), count=SCAN_COUNT)
+        and waiting now (held in a middleware, or parked), from the workers' reports (see
+        :mod:`.activity`)."""
+        reports = list(self._client.scan_iter(report_pattern(self._prefix), count=SCAN_COUNT))
         pipeline = self._client.pipeline(transaction=False)
+        pipeline.hgetall(parked_key(self._prefix))
         for report in reports:
             pipeline.get(report)
+        parked, *replies = pipeline.execute()
         totals: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0])
-        for report in pipeline.execute():
-            for key, counts in json.loads(report or "{}").items():  # None: expired meanwhile
+        for key, count in parked.items():
+            # A parked request taken back before its park was reported counts -1 for a while.
+            totals[key_tag(_text(key))][1] += max(0, int(count))
+        for reply in replies:
+            for key, (went, held) in json.loads(reply or "{}").items():  # None: expired since
                 total = totals[key_tag(key)]
-                total[0] += counts[0]
-                total[1] += counts[1]
-        # A request parked by a worker that stopped reporting may come back to another one.
-        return {tag: (went, max(0, waiting)) for tag, (went, waiting) in totals.items()}
+                total[0] += went
+                total[1] += held
+        return {tag: (went, waiting) for tag, (went, waiting) in totals.items()}
 
     def states(self, tags: list[str]) -> list[DomainState]:
         """The state of each domain (by its :func:`.bucket.key_tag`), read in one pipeline."""

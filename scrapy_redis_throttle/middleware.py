@@ -166,19 +166,19 @@ class RedisThrottleMiddleware:
             stats.inc_value(f"{STATS_PREFIX}/skipped")
             return None
         key = self._key(request)
+        release = request.meta.pop(RELEASE_META, None)
+        if release is not None:
+            self.activity.park(key, -1)  # back from the parking area
         limit = self._limit(key)
         if limit is None:
             stats.inc_value(f"{STATS_PREFIX}/unthrottled")
             return None
         cost = self._cost(request, limit)
-        release = request.meta.pop(RELEASE_META, None)
-        if release is not None:
-            self.activity.wait(key, -1)  # parked until now
-        self.activity.wait(key, 1)
+        self.activity.hold(key, 1)
         try:
             return await self._take_turn(request, key, limit, cost, release)
         finally:
-            self.activity.wait(key, -1)
+            self.activity.hold(key, -1)
 
     async def _take_turn(
         self, request: Request, key: str, limit: Limit, cost: float, release: dict[str, Any] | None
@@ -388,7 +388,7 @@ class RedisThrottleMiddleware:
             extra=self._log_extra(),
         )
         self.stats.inc_value(f"{STATS_PREFIX}/park_requests")
-        self.activity.wait(key, 1)
+        self.activity.park(key, 1)
         park = {"delay": delay, "reserved": result.reserved, "reserved_at": reserved_at}
         return request.replace(meta={**request.meta, PARK_META: park})
 

@@ -20,6 +20,7 @@ from scrapy_redis_throttle.config import (
     ThrottleConfig,
     ThrottleConfigError,
     format_rate,
+    parse_limit,
     parse_rate,
     queue_redis_connection,
     redact_url,
@@ -218,6 +219,10 @@ def test_several_limits_and_windows() -> None:
         "t100/600000",
         "s30/60000000",
     ]
+    # A window's period goes to the script in whole µs (4.1 s is 4099999.9999999995 µs).
+    odd = parse_limit({"rate": "10/4.1s", "algorithm": "fixed_window"}, default_burst=1, source="")
+    assert odd is not None
+    assert [quota.script_text for quota in odd.quotas] == ["f10/4100000"]
 
 
 def test_describe_lists_effective_limits() -> None:

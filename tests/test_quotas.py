@@ -28,6 +28,7 @@ from support import (
     wait_until_async,
 )
 
+from scrapy_redis_throttle.activity import parked_key
 from scrapy_redis_throttle.bucket import LOG_SUFFIX, QUOTA_SUFFIX, bucket_key
 from scrapy_redis_throttle.cli import EXIT_BAD_INPUT
 from scrapy_redis_throttle.config import Limit, parse_limit
@@ -158,6 +159,29 @@ async def test_a_fixed_window_counts_until_its_end_then_starts_again(
 
 
 @async_test
+async def test_a_fixed_window_lets_twice_its_count_go_across_its_end(
+    redis_server: RedisServer,
+) -> None:
+    """The documented boundary burst: 3 now, 3 reserved for the next window's start, less than
+    a window later; the next 3 would be in the window after, beyond the horizon of 1 s."""
+    limits = limit({"rate": "3/s", "algorithm": FIXED})
+    with redis.Redis.from_url(redis_server.url) as client:
+        # The 7 calls (a few ms) within one window.
+        await wait_until_async(
+            lambda: redis_now_us(client) % 1_000_000 < 900_000, "the start of a window"
+        )
+    async with token_bucket(redis_server) as bucket:
+        results = [await bucket.acquire(A, limits, reserve=1) for _ in range(7)]
+    assert [(r.allowed, r.reserved) for r in results] == [(True, False)] * 3 + [
+        (False, True)
+    ] * 3 + [(False, False)]
+    waits = [result.retry_after for result in results[3:6]]
+    assert 0 < min(waits) <= max(waits) <= 1
+    assert max(waits) - min(waits) < 0.1, "the same moment: the next window's start"
+    assert 1 < results[6].retry_after <= 2
+
+
+@async_test
 async def test_reserved_moments_keep_every_window(redis_server: RedisServer) -> None:
     """12 requests at once reserve their moments: 3 in any 1 s, and 5 in each fixed 2 s."""
     limits = limit(
@@ -222,6 +246,19 @@ async def test_a_sliding_window_never_allows_more_than_its_count_in_any_window(
     assert most_in_a_window(moments, 500_000) == 5
 
 
+@async_test
+async def test_tokens_taken_while_redis_failed_count_in_the_bucket_not_in_its_quotas(
+    redis_server: RedisServer,
+) -> None:
+    """``busy_for`` (the bucket is not full before then) is the domain's own bucket's."""
+    limits = limit({"rate": "100/h", "burst": 100}, "1/s")
+    async with token_bucket(redis_server) as bucket:
+        assert (await bucket.acquire(A, limits)).allowed
+        second = await bucket.acquire(A, limits, reserve=60, busy_for=36)
+    assert second.reserved
+    assert second.retry_after <= 1, "the quota's 1/s, not the bucket's 36 s"
+
+
 def test_the_script_checks_each_limit(redis_server: RedisServer) -> None:
     keys = [KEY, KEY + ":rate", KEY + QUOTA_SUFFIX, KEY + LOG_SUFFIX]
     with redis.Redis.from_url(redis_server.url) as client:
@@ -230,7 +267,8 @@ def test_the_script_checks_each_limit(redis_server: RedisServer) -> None:
         for extra, message in [
             (["x", "5", "1000000"], "limit 1 must be t, f or s"),
             (["s", "0", "1000000"], "limit 1 must be t, f or s"),
-            (["f", "1.5", "1000000"], "whole for windows"),
+            (["f", "1.5", "1000000"], "both whole for windows"),
+            (["s", "1", "28941164.74"], "both whole for windows"),
             (["s", "5", "-1"], "a period > 0"),
             (["s", "5"], "got s 5 nil"),
         ]:
@@ -239,6 +277,19 @@ def test_the_script_checks_each_limit(redis_server: RedisServer) -> None:
         with pytest.raises(redis.ResponseError, match="cost 3 exceeds limit 2's count 2"):
             script(keys=keys, args=["100000", "5", "3", "0", "0", "t", "5", "1", "s", "2", "1e6"])
         assert client.keys("*") == [], "nothing written"
+
+
+@async_test
+async def test_a_request_costs_at_most_a_live_quota_count(redis_server: RedisServer) -> None:
+    """As a live burst does: the workers' own limit allowed the cost, so it goes."""
+    with redis.Redis.from_url(redis_server.url) as client:
+        LiveControl(client, "ns").set(
+            A, 10, None, limit({"rate": "3/s", "algorithm": FIXED}).quotas
+        )
+        async with token_bucket(redis_server) as bucket:
+            result = await bucket.acquire(A, limit({"rate": "10/s", "burst": 10}), cost=5)
+        assert result.allowed
+        assert client.hget(KEY + QUOTA_SUFFIX, "f3/1000000").split()[1] == b"3"
 
 
 @async_test
@@ -304,6 +355,8 @@ async def test_the_tool_sets_several_limits(redis_server: RedisServer) -> None:
     "args",
     [
         ["set", "1", "-", "ch", "n", "f1.5/10"],
+        ["set", "1", "-", "ch", "n", "f1/10.5"],
+        ["set", "1", "-", "ch", "n", "t 5/2e5"],
         ["set", "1", "-", "ch", "n", "t1/10,x"],
         ["set", "1", "-", "ch", "n", "s0/10"],
         ["set", "-", "-", "ch", "n", "t1/10"],  # quotas come with a rate
@@ -366,6 +419,49 @@ async def test_the_workers_report_what_they_do(redis_server: RedisServer, site: 
     await crawl
     assert control.activity() == {}, "a worker that stops takes its report away"
     client.close()
+
+
+@async_test
+async def test_parked_requests_count_as_waiting_until_they_come_back(
+    redis_server: RedisServer, site: DemoSite
+) -> None:
+    parked = parked_key("redis_throttle")
+    client = redis.Redis.from_url(redis_server.url)
+    control = LiveControl(client, "redis_throttle")
+
+    def some_parked() -> bool:
+        _, waiting = control.activity().get(A, (0, 0))
+        return int(client.hget(parked, A) or 0) >= 2 and waiting >= 2
+
+    settings = crawl_settings(
+        redis_server.url,
+        SCHEDULER="scrapy_redis_throttle.ThrottleScheduler",
+        REDIS_THROTTLE_MAX_HOLD=0,
+        REDIS_THROTTLE_REPORT_INTERVAL=0.1,
+    )
+    crawl = asyncio.ensure_future(
+        run_crawl(settings, pages(site, A, 8), redis_throttle_rates={A: "4/s"})
+    )
+    await wait_until_async(some_parked, "2 of A's requests reported parked")
+    crawler = await crawl
+    assert crawler.stats.get_value("redis_throttle/parked") >= 2
+    assert not client.exists(parked), "each came back: their counts left the hash"
+    client.close()
+
+
+def test_parked_counts_leave_the_hash_at_zero(redis_server: RedisServer) -> None:
+    key = parked_key("ns")
+    with redis.Redis.from_url(redis_server.url) as client:
+        script = client.register_script(load_script("parked.lua"))
+        assert script(keys=[key], args=[60_000, A, 2, B, -1]) == 2
+        assert client.hgetall(key) == {A.encode(): b"2", B.encode(): b"-1"}
+        assert 0 < client.pttl(key) <= 60_000
+        script(keys=[key], args=[60_000, A, -2, B, 1])
+        assert not client.exists(key)
+        for args in ([0], [60_000, A], [60_000, A, 1.5], ["soon", A, 1]):
+            with pytest.raises(redis.ResponseError, match="parked takes an expiry"):
+                script(keys=[key], args=args)
+        assert not client.exists(key)
 
 
 def test_status_shows_the_fleets_activity(redis_server: RedisServer) -> None:

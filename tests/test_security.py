@@ -12,6 +12,8 @@ from demo_site import HOSTS, DemoSite
 from local_redis import RedisServer
 from support import async_test, crawl_settings, run_crawl
 
+from scrapy_redis_throttle.activity import parked_key
+
 if TYPE_CHECKING:
     from scrapy.crawler import Crawler
 
@@ -25,6 +27,14 @@ RATES = {
         {"rate": "100/m", "algorithm": "fixed_window"},
         {"rate": "2/0.3s", "algorithm": "sliding_window"},
     ]
+}
+# The same with the parked requests counted too: the third request waits 1 s, parked for half of
+# it (RELEASE_AHEAD), while the reports go every 0.1 s.
+PARKED_RATES = {A: [*RATES[A][:2], {"rate": "2/s", "algorithm": "sliding_window"}]}
+PARKING = {
+    "SCHEDULER": "scrapy_redis_throttle.ThrottleScheduler",
+    "REDIS_THROTTLE_MAX_HOLD": 0,
+    "REDIS_THROTTLE_REPORT_INTERVAL": 0.1,
 }
 
 
@@ -51,25 +61,31 @@ async def test_acl_user_with_the_documented_minimal_rights(site: DemoSite) -> No
         server.add_user("throttle-worker", "worker-secret", *rules)
         url = f"redis://throttle-worker:worker-secret@127.0.0.1:{server.port}/0"
         crawler = await run_crawl(
-            crawl_settings(url, SCHEDULER="scrapy_redis_throttle.ThrottleScheduler"),
+            crawl_settings(url, **PARKING),
             [{"url": site.url(A, f"/page/{n}")} for n in range(5)],
-            redis_throttle_rates=RATES,
+            redis_throttle_rates=PARKED_RATES,
         )
         with server.client() as admin:
             # A cold script cache (a restart, a failover) needs SCRIPT LOAD, also allowed.
             admin.script_flush()
         crawler_after_flush = await run_crawl(
-            crawl_settings(url, SCHEDULER="scrapy_redis_throttle.ThrottleScheduler"),
+            crawl_settings(url, **PARKING),
             [{"url": site.url(A, f"/page/{n}")} for n in range(5, 10)],
-            redis_throttle_rates=RATES,
+            redis_throttle_rates=PARKED_RATES,
         )
+        with server.client() as admin:
+            parked_counts = admin.exists(parked_key("redis_throttle"))
     assert_shared(crawler)
     assert_shared(crawler_after_flush)
+    assert crawler_after_flush.stats.get_value("redis_throttle/parked") >= 1
+    assert parked_counts == 0, "every request parked came back: no count left"
 
 
-# Used only by the listener for other workers' pauses, and by the activity report when the
-# worker stops: without them, the crawl still has Redis.
-RIGHTS_BESIDE_THE_BUCKETS = {"+subscribe", "&redis_throttle:penalties", "+del"}
+# Used only by the listener for other workers' pauses, and by the activity reports: without
+# them, the crawl still has Redis.
+RIGHTS_BESIDE_THE_BUCKETS = {"+subscribe", "&redis_throttle:penalties", "+del", "+hincrby", "+hdel"}
+# Used only to count parked requests.
+PARKING_RIGHTS = {"+hincrby", "+hdel"}
 
 
 @pytest.mark.parametrize("dropped", [rule for rule in documented_acl_rules() if rule[0] in "+~&"])
@@ -85,10 +101,11 @@ async def test_each_documented_right_is_needed(dropped: str) -> None:
     ):
         server.add_user("throttle-worker", "worker-secret", *rules)
         url = f"redis://throttle-worker:worker-secret@127.0.0.1:{server.port}/0"
+        parking = dropped in PARKING_RIGHTS
         crawler = await run_crawl(
-            crawl_settings(url, REDIS_THROTTLE_PROBE_INTERVAL=0.1),
+            crawl_settings(url, REDIS_THROTTLE_PROBE_INTERVAL=0.1, **(PARKING if parking else {})),
             [{"url": site.url(A, f"/page/{n}")} for n in range(3)],
-            redis_throttle_rates=RATES,
+            redis_throttle_rates=PARKED_RATES if parking else RATES,
         )
     stats = crawler.stats.get_stats()
     assert stats["test/responses"] == 3
