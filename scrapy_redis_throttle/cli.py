@@ -28,8 +28,8 @@ from .config import (
     format_rate,
     parse_burst,
     parse_limit,
-    redact_url,
 )
+from .connection import connect_sync
 from .control import LiveControl
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             live = _live_limit(args.limits, args.burst)
     except ThrottleConfigError as exc:
         parser.error(str(exc))
-    client = redis.Redis.from_url(config.redis_url, **config.redis_params)
+    client = connect_sync(config)
     control = LiveControl(client, config.key_prefix)
     try:
         if args.command == "set":
@@ -72,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _status(control, config, args)
     except redis.RedisError as exc:
         print(
-            f"scrapy-redis-throttle: Redis at {redact_url(config.redis_url)} failed: "
+            f"scrapy-redis-throttle: Redis at {config.redis_location} failed: "
             f"{type(exc).__name__}: {exc}",
             file=sys.stderr,
         )
@@ -90,6 +90,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--redis-url", help="the fleet's Redis (default: the project's settings)")
     parser.add_argument("--key-prefix", help="REDIS_THROTTLE_KEY_PREFIX (default: the project's)")
+    parser.add_argument(
+        "--sentinels",
+        metavar="HOST:PORT,...",
+        help="REDIS_THROTTLE_SENTINELS: ask these sentinels for the primary (with --service)",
+    )
+    parser.add_argument("--service", help="REDIS_THROTTLE_SENTINEL_SERVICE, with --sentinels")
     parser.add_argument("--spider", help=f"also read this spider's {SPIDER_ATTRIBUTE}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     set_command = commands.add_parser(
@@ -131,6 +137,10 @@ def _config(args: argparse.Namespace) -> ThrottleConfig:
         settings.set("REDIS_THROTTLE_URL", args.redis_url, priority="cmdline")
     if args.key_prefix:
         settings.set("REDIS_THROTTLE_KEY_PREFIX", args.key_prefix, priority="cmdline")
+    if args.sentinels:
+        settings.set("REDIS_THROTTLE_SENTINELS", args.sentinels, priority="cmdline")
+    if args.service:
+        settings.set("REDIS_THROTTLE_SENTINEL_SERVICE", args.service, priority="cmdline")
     # The tool works on the fleet's Redis even where these settings turn the throttle off.
     settings.set("REDIS_THROTTLE_ENABLED", True, priority="cmdline")
     spider_rates = None

@@ -393,6 +393,20 @@ def _build_table(
     return LimitTable(exact, wildcards, default)
 
 
+@dataclass(frozen=True)
+class Sentinel:
+    """Redis Sentinel: the sentinels to ask for the current primary of *service*."""
+
+    addresses: tuple[tuple[str, int], ...]
+    service: str
+    params: Mapping[str, Any]
+    """Connection parameters for the sentinels themselves (a password, TLS, ...)."""
+
+    def __str__(self) -> str:
+        where = ", ".join(f"{host}:{port}" for host, port in self.addresses)
+        return f"the primary of {self.service!r} (Redis Sentinel at {where})"
+
+
 def redact_url(url: str) -> str:
     """*url* with its password replaced, for logs."""
     parts = urlsplit(url)
@@ -408,6 +422,8 @@ class ThrottleConfig:
     limits: LimitTable
     redis_url: str
     redis_params: Mapping[str, Any]
+    sentinel: Sentinel | None
+    """Where the sentinels are, when they name the Redis (the URL then gives the rest)."""
     key_prefix: str
     max_hold: float
     """Longest wait a request spends in the middleware when the scheduler can park it."""
@@ -431,6 +447,11 @@ class ThrottleConfig:
     """The adaptive rate, None when ``REDIS_THROTTLE_ADAPTIVE_ENABLED`` is off."""
     report_interval: float
     """Seconds between two reports of this worker's activity to Redis (0: none)."""
+
+    @property
+    def redis_location(self) -> str:
+        """The throttle's Redis for logs and messages (no password)."""
+        return str(self.sentinel) if self.sentinel else redact_url(self.redis_url)
 
     @classmethod
     def from_crawler(cls, crawler: Crawler) -> ThrottleConfig:
@@ -513,6 +534,7 @@ class ThrottleConfig:
             limits=_build_table(entries, default, default_burst),
             redis_url=_redis_url(settings),
             redis_params=_redis_params(settings),
+            sentinel=_sentinel(settings),
             key_prefix=key_prefix,
         )
 
@@ -648,6 +670,45 @@ def _connection_parameters() -> frozenset[str]:
     for cls in (connection.AbstractConnection, connection.Connection, connection.SSLConnection):
         names.update(inspect.signature(cls.__init__).parameters)
     return frozenset(names - {"self", "kwargs", *_SET_BY_THE_THROTTLE, *_PART_OF_THE_URL})
+
+
+def _sentinel(settings: BaseSettings) -> Sentinel | None:
+    """REDIS_THROTTLE_SENTINELS ("host:port" each), REDIS_THROTTLE_SENTINEL_SERVICE and
+    REDIS_THROTTLE_SENTINEL_PARAMS; None without sentinels."""
+    name = "REDIS_THROTTLE_SENTINELS"
+    value = _get(settings, name, [])
+    try:
+        entries = settings.getlist(name, [])
+    except (TypeError, ValueError) as exc:
+        raise ThrottleConfigError(f"{name} must be a list of 'host:port', got {value!r}") from exc
+    service = _get(settings, "REDIS_THROTTLE_SENTINEL_SERVICE", None)
+    if not entries:
+        if service is not None:
+            raise ThrottleConfigError(
+                f"REDIS_THROTTLE_SENTINEL_SERVICE is {service!r} but {name} lists no sentinel"
+            )
+        return None
+    addresses = []
+    for entry in entries:
+        host, _, port = str(entry).strip().rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ThrottleConfigError(
+                f"{name} must be a list of 'host:port', got {value!r} ({entry!r})"
+            )
+        addresses.append((host, int(port)))
+    if not isinstance(service, str) or not service:
+        raise ThrottleConfigError(
+            f"REDIS_THROTTLE_SENTINEL_SERVICE must name the primary the sentinels watch "
+            f"(their 'sentinel monitor <name> ...'), got {service!r}"
+        )
+    params = {**DEFAULT_REDIS_PARAMS, **_getdict(settings, "REDIS_THROTTLE_SENTINEL_PARAMS")}
+    unknown = set(params) - _connection_parameters()
+    if unknown:
+        raise ThrottleConfigError(
+            f"REDIS_THROTTLE_SENTINEL_PARAMS: unknown redis-py connection parameter(s) "
+            f"{sorted(unknown)}"
+        )
+    return Sentinel(tuple(addresses), service, params)
 
 
 def _redis_params(settings: BaseSettings) -> dict[str, Any]:

@@ -49,7 +49,6 @@ from .config import (
     ThrottleConfig,
     ThrottleConfigError,
     format_rate,
-    redact_url,
 )
 from .connection import connect
 from .crawl_delay import CrawlDelays
@@ -120,7 +119,7 @@ class RedisThrottleMiddleware:
     async def _spider_opened(self, spider: Spider) -> None:
         logger.info(
             "Redis throttle: shared limits in %s (key prefix %r), %s; if Redis fails, %s:\n  %s",
-            redact_url(self.config.redis_url),
+            self.config.redis_location,
             self.config.key_prefix,
             f"requests that must wait over {self.config.max_hold:g} s are parked in the scheduler"
             if self.parking

@@ -29,7 +29,7 @@ from scrapy.utils.defer import maybe_deferred_to_future
 from twisted.internet.task import deferLater
 
 from .bucket import AcquireResult, TokenBucket
-from .config import FALLBACK_LOCAL, FALLBACK_OPEN, redact_url
+from .config import FALLBACK_LOCAL, FALLBACK_OPEN
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -328,7 +328,7 @@ class ResilientBucket:
         self._stats.inc_value(f"{STATS_PREFIX}/outages")
         logger.warning(
             "Redis throttle: Redis at %s is unavailable (%s: %s); %s",
-            redact_url(self._config.redis_url),
+            self._config.redis_location,
             type(exc).__name__,
             exc,
             self.describe_policy(),
@@ -339,7 +339,7 @@ class ResilientBucket:
         self._add_fallback_time(outage)
         logger.info(
             "Redis throttle: Redis at %s is back after %.1f s; limits are shared again",
-            redact_url(self._config.redis_url),
+            self._config.redis_location,
             outage,
             extra=self._log_extra(),
         )

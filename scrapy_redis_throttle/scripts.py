@@ -121,6 +121,10 @@ class LuaScript:
         """Replies to *calls*, in order; a call that failed on its own has its exception."""
         connection = self._connection
         try:
+            if not connection.is_connected:
+                # Not left to send_packed_command: a Sentinel-managed connection asks the
+                # sentinels for the primary in connect() alone.
+                await connection.connect()  # type: ignore[no-untyped-call]
             await connection.send_packed_command(
                 connection.pack_commands(
                     [("EVALSHA", self._sha, len(keys), *keys, *args) for keys, args in calls]

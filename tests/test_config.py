@@ -225,6 +225,22 @@ def test_several_limits_and_windows() -> None:
     assert [quota.script_text for quota in odd.quotas] == ["f10/4100000"]
 
 
+def test_sentinels() -> None:
+    cfg = config(
+        REDIS_THROTTLE_SENTINELS="10.0.0.1:26379, sentinel-2:26380",  # as from -s
+        REDIS_THROTTLE_SENTINEL_SERVICE="throttle",
+        REDIS_THROTTLE_SENTINEL_PARAMS={"password": "s3cret"},
+        REDIS_THROTTLE_URL="redis://:p@ignored:6379/2",
+    )
+    assert cfg.sentinel is not None
+    assert cfg.sentinel.addresses == (("10.0.0.1", 26379), ("sentinel-2", 26380))
+    assert cfg.sentinel.params == {**DEFAULT_REDIS_PARAMS, "password": "s3cret"}
+    assert cfg.redis_location == (
+        "the primary of 'throttle' (Redis Sentinel at 10.0.0.1:26379, sentinel-2:26380)"
+    )
+    assert config().sentinel is None
+
+
 def test_describe_lists_effective_limits() -> None:
     cfg = config(spider_rates={"a.example": "5/s", "*.b.example": None})
     assert cfg.limits.describe() == [
@@ -282,6 +298,11 @@ ADAPTIVE = {"REDIS_THROTTLE_ADAPTIVE_ENABLED": True}
         ({**ADAPTIVE, "REDIS_THROTTLE_ADAPTIVE_RECOVERY": -5}, "REDIS_THROTTLE_ADAPTIVE_RECOVERY must be a number of seconds >= 0.001, got -5"),
         ({"REDIS_THROTTLE_MAX_RESERVE": "soon"}, "REDIS_THROTTLE_MAX_RESERVE must be a number of seconds >= 1, got 'soon'"),
         ({"REDIS_THROTTLE_REPORT_INTERVAL": -1}, "REDIS_THROTTLE_REPORT_INTERVAL must be a number of seconds >= 0, got -1"),
+        ({"REDIS_THROTTLE_SENTINELS": ["127.0.0.1"]}, "REDIS_THROTTLE_SENTINELS must be a list of 'host:port', got \\['127.0.0.1'\\]"),
+        ({"REDIS_THROTTLE_SENTINELS": "a:1,b:x"}, "REDIS_THROTTLE_SENTINELS must be a list of 'host:port', got 'a:1,b:x' \\('b:x'\\)"),
+        ({"REDIS_THROTTLE_SENTINELS": ["a:26379"]}, "REDIS_THROTTLE_SENTINEL_SERVICE must name the primary the sentinels watch"),
+        ({"REDIS_THROTTLE_SENTINEL_SERVICE": "mymaster"}, "REDIS_THROTTLE_SENTINEL_SERVICE is 'mymaster' but REDIS_THROTTLE_SENTINELS lists no sentinel"),
+        ({"REDIS_THROTTLE_SENTINELS": ["a:26379"], "REDIS_THROTTLE_SENTINEL_SERVICE": "m", "REDIS_THROTTLE_SENTINEL_PARAMS": {"pasword": "x"}}, "REDIS_THROTTLE_SENTINEL_PARAMS: unknown redis-py connection parameter\\(s\\) \\['pasword'\\]"),
         ({"REDIS_THROTTLE_RATES": {"a.example": []}}, r"REDIS_THROTTLE_RATES\['a.example'\]: an empty list of limits"),
         ({"REDIS_THROTTLE_RATES": {"a.example": ["1/s", "x"]}}, r"REDIS_THROTTLE_RATES\['a.example'\]\[1\]: invalid rate 'x'"),
         ({"REDIS_THROTTLE_RATES": {"a.example": {"rate": "1/s", "algorithm": "leaky"}}}, "unknown algorithm 'leaky'; expected one of 'token_bucket', 'fixed_window', 'sliding_window'"),
