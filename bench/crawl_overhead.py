@@ -1,9 +1,11 @@
 """What the throttle costs a crawl when its limits do not bind, side by side in one run.
 
 A Scrapy process crawls a fast local site (``fast_site.py``, its own process, never the
-bottleneck) of several domains, with limits far above what it can reach, in two set-ups: Redis
-on loopback, and Redis behind a TCP proxy that holds every byte back ``--latency`` seconds each
-way (1 ms: a 2 ms round trip, like a Redis in another zone: the reactor must not wait for it).
+bottleneck) of several domains, with limits far above what it can reach, in three set-ups: Redis
+on loopback, Redis behind a TCP proxy that holds every byte back ``--latency`` seconds each way
+(1 ms: a 2 ms round trip, like a Redis in another zone: the reactor must not wait for it), and a
+Redis Cluster of 3 primaries (with a replica each) on loopback, whose client sends each call by
+itself to the node of its domain.
 
 This machine's speed drifts by 10-50% from one second to the next, and whole crawls run one
 after the other are not comparable: the ratios of 16 rounds of separate crawls with and without
@@ -21,7 +23,7 @@ On Linux with two or more CPUs, the crawler has one CPU to itself, and the site,
 proxy share the others: as in production, where Redis and the sites run on other machines, what
 the crawler pays is not mixed with what they pay.
 
-Run: ``./run bench crawl_overhead`` (about 3 minutes; ``--pages``, ``--chunk``, ``--rounds``,
+Run: ``./run bench crawl_overhead`` (about 4 minutes; ``--pages``, ``--chunk``, ``--rounds``,
 ``--latency``).
 """
 
@@ -32,6 +34,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +45,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from harness import run_benchmark  # noqa: E402
 from local_redis import RedisServer  # noqa: E402
 from processes import finish_crawl_workers, start_crawl_worker  # noqa: E402
+from redis_topologies import LocalCluster  # noqa: E402
 from tcp_proxy import TcpProxy  # noqa: E402
 
 HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"]
@@ -89,17 +93,22 @@ CRAWLER_CPUS = crawler_cpus()
 WARM_UP_CHUNKS = 2
 
 
-def crawl(urls: list[str], throttle_url: str, chunk: int, first_on: bool) -> dict[str, Any]:
-    """One crawl in a new process, the throttle (its Redis at *throttle_url*) switched on and
-    off every *chunk* requests; returns its stats."""
-    settings = SETTINGS | {
-        "DOWNLOADER_MIDDLEWARES": {"alternating_middleware.AlternatingThrottleMiddleware": 950},
-        "BENCH_CHUNK": chunk,
-        "BENCH_FIRST_ON": first_on,
-        "REDIS_THROTTLE_URL": throttle_url,
-        "REDIS_THROTTLE_DEFAULT_RATE": NEVER_BINDS,
-        "REDIS_THROTTLE_DEFAULT_BURST": NEVER_BINDS,
-    }
+def crawl(
+    urls: list[str], throttle_redis: dict[str, str], chunk: int, first_on: bool
+) -> dict[str, Any]:
+    """One crawl in a new process, the throttle (its Redis as the settings *throttle_redis*
+    say) switched on and off every *chunk* requests; returns its stats."""
+    settings = (
+        SETTINGS
+        | throttle_redis
+        | {
+            "DOWNLOADER_MIDDLEWARES": {"alternating_middleware.AlternatingThrottleMiddleware": 950},
+            "BENCH_CHUNK": chunk,
+            "BENCH_FIRST_ON": first_on,
+            "REDIS_THROTTLE_DEFAULT_RATE": NEVER_BINDS,
+            "REDIS_THROTTLE_DEFAULT_BURST": NEVER_BINDS,
+        }
+    )
     worker = start_crawl_worker({"settings": settings, "requests": [{"url": u} for u in urls]})
     if CRAWLER_CPUS is not None:  # before its crawl starts: it is still importing Scrapy
         os.sched_setaffinity(worker.pid, CRAWLER_CPUS)
@@ -141,21 +150,31 @@ async def measure(pages: int, chunk: int, rounds: int, latency: float) -> list[d
     if CRAWLER_CPUS is not None:  # inherited by the site and Redis, and the proxy's threads
         os.sched_setaffinity(0, os.sched_getaffinity(0) - CRAWLER_CPUS)
     site = FastSite(HOSTS)
-    with RedisServer() as redis_server, TcpProxy(redis_server.port) as proxy:
+    with (
+        RedisServer() as redis_server,
+        TcpProxy(redis_server.port) as proxy,
+        tempfile.TemporaryDirectory() as cluster_dir,
+    ):
         proxy.latency = latency
+        cluster = LocalCluster(Path(cluster_dir))
         urls = [f"http://{HOSTS[n % len(HOSTS)]}:{site.port}/page/{n}" for n in range(pages)]
         setups = {
-            "with it, Redis on loopback": redis_server.url,
-            f"with it, Redis {2 * latency * 1000:g} ms away": proxy.url,
+            "with it, Redis on loopback": {"REDIS_THROTTLE_URL": redis_server.url},
+            f"with it, Redis {2 * latency * 1000:g} ms away": {"REDIS_THROTTLE_URL": proxy.url},
+            "with it, Redis Cluster": {
+                "REDIS_THROTTLE_URL": redis_server.url,  # its host and port are not used
+                **cluster.settings(),
+            },
         }
         off: list[list[Any]] = []
         on: dict[str, list[list[Any]]] = {name: [] for name in setups}
         ratios: dict[str, list[float]] = {name: [] for name in setups}
         calls: dict[str, list[float]] = {name: [] for name in setups}
         try:
+            cluster.start()
             for round_number in range(rounds):
-                for name, url in setups.items():
-                    stats = crawl(urls, url, chunk, first_on=round_number % 2 == 0)
+                for name, throttle_redis in setups.items():
+                    stats = crawl(urls, throttle_redis, chunk, first_on=round_number % 2 == 0)
                     chunks = stats["bench/chunks"][WARM_UP_CHUNKS:]
                     off += [c for c in chunks if not c[0]]
                     on[name] += [c for c in chunks if c[0]]
@@ -165,6 +184,7 @@ async def measure(pages: int, chunk: int, rounds: int, latency: float) -> list[d
                     )
         finally:
             site.close()
+            cluster.stop()
     return [
         row(WITHOUT, off, [1.0, 1.0], 0.0),
         *(row(name, on[name], ratios[name], statistics.mean(calls[name])) for name in setups),

@@ -9,10 +9,10 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from .config import Adaptive, Backoff, Limit, Quota
-from .scripts import LuaScript
+from .scripts import lua_script
 
 if TYPE_CHECKING:
-    from redis.asyncio import Redis
+    from .connection import ThrottleRedis
 
 
 @dataclass(frozen=True)
@@ -162,14 +162,14 @@ _PROBE_KEY_TAG = "#probe"
 class TokenBucket:
     """Per-domain token buckets stored in one Redis, shared by every process that uses it."""
 
-    def __init__(self, redis: Redis, key_prefix: str, adaptive: bool = False) -> None:
+    def __init__(self, redis: ThrottleRedis, key_prefix: str, adaptive: bool = False) -> None:
         self._key_prefix = key_prefix
         self._adaptive = adaptive
         self._live_quotas: set[str] = set()
         """Domains whose limit set live has quotas (or had)."""
-        self._script = LuaScript(redis, "token_bucket.lua")
-        self._penalty_script = LuaScript(redis, "penalty.lua")
-        self._slow_down_script = LuaScript(redis, "slow_down.lua")
+        self._script = lua_script(redis, "token_bucket.lua")
+        self._penalty_script = lua_script(redis, "penalty.lua")
+        self._slow_down_script = lua_script(redis, "slow_down.lua")
 
     async def acquire(
         self, domain: str, limit: Limit, cost: float = 1, reserve: float = 0, busy_for: float = 0

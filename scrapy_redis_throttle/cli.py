@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING
 
 import redis
+from redis.exceptions import RedisClusterException
 from scrapy.utils.conf import closest_scrapy_cfg
 from scrapy.utils.project import get_project_settings
 
@@ -53,9 +54,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             live = _live_limit(args.limits, args.burst)
     except ThrottleConfigError as exc:
         parser.error(str(exc))
-    client = connect_sync(config)
-    control = LiveControl(client, config.key_prefix)
     try:
+        client = connect_sync(config)  # a cluster client finds the cluster's nodes here
+    except (redis.RedisError, RedisClusterException) as exc:
+        return _redis_failed(config, exc)
+    try:
+        control = LiveControl(client, config.key_prefix)
         if args.command == "set":
             _print_change(args.domain, control.set(args.domain, *live))
         elif args.command in ("delete", "pause", "resume"):
@@ -70,18 +74,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         else:
             _status(control, config, args)
-    except redis.RedisError as exc:
-        print(
-            f"scrapy-redis-throttle: Redis at {config.redis_location} failed: "
-            f"{type(exc).__name__}: {exc}",
-            file=sys.stderr,
-        )
-        return EXIT_REDIS_FAILED
+    except (redis.RedisError, RedisClusterException) as exc:
+        return _redis_failed(config, exc)
     except KeyboardInterrupt:
         pass
     finally:
         client.close()
     return 0
+
+
+def _redis_failed(config: ThrottleConfig, exc: Exception) -> int:
+    print(
+        f"scrapy-redis-throttle: Redis at {config.redis_location} failed: "
+        f"{type(exc).__name__}: {exc}",
+        file=sys.stderr,
+    )
+    return EXIT_REDIS_FAILED
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -96,6 +104,11 @@ def _parser() -> argparse.ArgumentParser:
         help="REDIS_THROTTLE_SENTINELS: ask these sentinels for the primary (with --service)",
     )
     parser.add_argument("--service", help="REDIS_THROTTLE_SENTINEL_SERVICE, with --sentinels")
+    parser.add_argument(
+        "--cluster-nodes",
+        metavar="HOST:PORT,...",
+        help="REDIS_THROTTLE_CLUSTER_NODES: the fleet's Redis is the cluster of these nodes",
+    )
     parser.add_argument("--spider", help=f"also read this spider's {SPIDER_ATTRIBUTE}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     set_command = commands.add_parser(
@@ -130,7 +143,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace) -> ThrottleConfig:
-    """The project's configuration (with --redis-url and --key-prefix over it)."""
+    """The project's configuration (with the options over it)."""
     args.in_project = bool(closest_scrapy_cfg())
     settings = get_project_settings()
     if args.redis_url:
@@ -141,6 +154,8 @@ def _config(args: argparse.Namespace) -> ThrottleConfig:
         settings.set("REDIS_THROTTLE_SENTINELS", args.sentinels, priority="cmdline")
     if args.service:
         settings.set("REDIS_THROTTLE_SENTINEL_SERVICE", args.service, priority="cmdline")
+    if args.cluster_nodes:
+        settings.set("REDIS_THROTTLE_CLUSTER_NODES", args.cluster_nodes, priority="cmdline")
     # The tool works on the fleet's Redis even where these settings turn the throttle off.
     settings.set("REDIS_THROTTLE_ENABLED", True, priority="cmdline")
     spider_rates = None

@@ -407,6 +407,17 @@ class Sentinel:
         return f"the primary of {self.service!r} (Redis Sentinel at {where})"
 
 
+@dataclass(frozen=True)
+class Cluster:
+    """Redis Cluster: nodes to discover it from (any one that answers will do)."""
+
+    addresses: tuple[tuple[str, int], ...]
+
+    def __str__(self) -> str:
+        where = ", ".join(f"{host}:{port}" for host, port in self.addresses)
+        return f"Redis Cluster (seed nodes {where})"
+
+
 def redact_url(url: str) -> str:
     """*url* with its password replaced, for logs."""
     parts = urlsplit(url)
@@ -424,6 +435,8 @@ class ThrottleConfig:
     redis_params: Mapping[str, Any]
     sentinel: Sentinel | None
     """Where the sentinels are, when they name the Redis (the URL then gives the rest)."""
+    cluster: Cluster | None
+    """Nodes of the Redis Cluster, when the throttle's Redis is one (the URL gives the rest)."""
     key_prefix: str
     max_hold: float
     """Longest wait a request spends in the middleware when the scheduler can park it."""
@@ -451,7 +464,7 @@ class ThrottleConfig:
     @property
     def redis_location(self) -> str:
         """The throttle's Redis for logs and messages (no password)."""
-        return str(self.sentinel) if self.sentinel else redact_url(self.redis_url)
+        return str(self.sentinel or self.cluster or redact_url(self.redis_url))
 
     @classmethod
     def from_crawler(cls, crawler: Crawler) -> ThrottleConfig:
@@ -499,6 +512,9 @@ class ThrottleConfig:
                 f"got {on_redis_error!r}"
             )
 
+        redis_url = _redis_url(settings)
+        redis_params = _redis_params(settings)
+        sentinel = _sentinel(settings)
         return cls(
             on_redis_error=on_redis_error,
             fallback_workers=parse_positive_int(
@@ -532,9 +548,10 @@ class ThrottleConfig:
                 settings, "REDIS_THROTTLE_MAX_CRAWL_DELAY", DEFAULT_MAX_CRAWL_DELAY, minimum=0.001
             ),
             limits=_build_table(entries, default, default_burst),
-            redis_url=_redis_url(settings),
-            redis_params=_redis_params(settings),
-            sentinel=_sentinel(settings),
+            redis_url=redis_url,
+            redis_params=redis_params,
+            sentinel=sentinel,
+            cluster=_cluster(settings, redis_url, redis_params, sentinel),
             key_prefix=key_prefix,
         )
 
@@ -672,22 +689,13 @@ def _connection_parameters() -> frozenset[str]:
     return frozenset(names - {"self", "kwargs", *_SET_BY_THE_THROTTLE, *_PART_OF_THE_URL})
 
 
-def _sentinel(settings: BaseSettings) -> Sentinel | None:
-    """REDIS_THROTTLE_SENTINELS ("host:port" each), REDIS_THROTTLE_SENTINEL_SERVICE and
-    REDIS_THROTTLE_SENTINEL_PARAMS; None without sentinels."""
-    name = "REDIS_THROTTLE_SENTINELS"
+def _addresses(settings: BaseSettings, name: str) -> list[tuple[str, int]]:
+    """The setting's "host:port" entries (a list, or a string separated by commas)."""
     value = _get(settings, name, [])
     try:
         entries = settings.getlist(name, [])
     except (TypeError, ValueError) as exc:
         raise ThrottleConfigError(f"{name} must be a list of 'host:port', got {value!r}") from exc
-    service = _get(settings, "REDIS_THROTTLE_SENTINEL_SERVICE", None)
-    if not entries:
-        if service is not None:
-            raise ThrottleConfigError(
-                f"REDIS_THROTTLE_SENTINEL_SERVICE is {service!r} but {name} lists no sentinel"
-            )
-        return None
     addresses = []
     for entry in entries:
         host, _, port = str(entry).strip().rpartition(":")
@@ -696,6 +704,21 @@ def _sentinel(settings: BaseSettings) -> Sentinel | None:
                 f"{name} must be a list of 'host:port', got {value!r} ({entry!r})"
             )
         addresses.append((host, int(port)))
+    return addresses
+
+
+def _sentinel(settings: BaseSettings) -> Sentinel | None:
+    """REDIS_THROTTLE_SENTINELS ("host:port" each), REDIS_THROTTLE_SENTINEL_SERVICE and
+    REDIS_THROTTLE_SENTINEL_PARAMS; None without sentinels."""
+    name = "REDIS_THROTTLE_SENTINELS"
+    addresses = _addresses(settings, name)
+    service = _get(settings, "REDIS_THROTTLE_SENTINEL_SERVICE", None)
+    if not addresses:
+        if service is not None:
+            raise ThrottleConfigError(
+                f"REDIS_THROTTLE_SENTINEL_SERVICE is {service!r} but {name} lists no sentinel"
+            )
+        return None
     if not isinstance(service, str) or not service:
         raise ThrottleConfigError(
             f"REDIS_THROTTLE_SENTINEL_SERVICE must name the primary the sentinels watch "
@@ -709,6 +732,51 @@ def _sentinel(settings: BaseSettings) -> Sentinel | None:
             f"{sorted(unknown)}"
         )
     return Sentinel(tuple(addresses), service, params)
+
+
+def _cluster(
+    settings: BaseSettings,
+    redis_url: str,
+    redis_params: Mapping[str, Any],
+    sentinel: Sentinel | None,
+) -> Cluster | None:
+    """REDIS_THROTTLE_CLUSTER_NODES ("host:port" each); None without them. The URL and the
+    parameters must suit a cluster client."""
+    name = "REDIS_THROTTLE_CLUSTER_NODES"
+    addresses = _addresses(settings, name)
+    if not addresses:
+        return None
+    if sentinel is not None:
+        raise ThrottleConfigError(
+            f"{name} and REDIS_THROTTLE_SENTINELS are both set: the throttle's Redis is either "
+            f"a cluster or a Sentinel-managed primary"
+        )
+    url = urlsplit(redis_url)
+    if url.scheme == "unix":
+        raise ThrottleConfigError(
+            f"{name}: a cluster is reached over TCP, but the URL is {redact_url(redis_url)!r} "
+            f"(REDIS_THROTTLE_URL gives the cluster's user, password and TLS)"
+        )
+    if url.path.strip("/") not in ("", "0"):
+        raise ThrottleConfigError(
+            f"{name}: a cluster has database 0 alone, but the URL is {redact_url(redis_url)!r} "
+            f"(REDIS_THROTTLE_URL gives the cluster's user, password and TLS)"
+        )
+    unknown = set(redis_params) - _cluster_parameters()
+    if unknown:
+        raise ThrottleConfigError(
+            f"{name}: redis-py's cluster client does not take the connection parameter(s) "
+            f"{sorted(unknown)} (of REDIS_THROTTLE_PARAMS or REDIS_PARAMS)"
+        )
+    return Cluster(tuple(addresses))
+
+
+@functools.cache
+def _cluster_parameters() -> frozenset[str]:
+    """Every keyword argument redis-py's asyncio cluster client accepts."""
+    from redis.asyncio import RedisCluster
+
+    return frozenset(inspect.signature(RedisCluster.__init__).parameters)
 
 
 def _redis_params(settings: BaseSettings) -> dict[str, Any]:

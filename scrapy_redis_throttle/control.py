@@ -27,6 +27,7 @@ from .scripts import load_script
 
 if TYPE_CHECKING:
     import redis
+    import redis.cluster
 
 # The scripts count time in µs from this epoch (see lua/token_bucket.lua).
 SCRIPT_EPOCH = 1704067200
@@ -106,7 +107,7 @@ class DomainState:
 class LiveControl:
     """Set, read and list the limits of a fleet that shares *key_prefix* in Redis."""
 
-    def __init__(self, client: redis.Redis, key_prefix: str) -> None:
+    def __init__(self, client: redis.Redis | redis.cluster.RedisCluster, key_prefix: str) -> None:
         self._client = client
         self._prefix = key_prefix
         self._set_limit = client.register_script(load_script("set_limit.lua"))
@@ -203,18 +204,18 @@ class LiveControl:
         return {tag: (went, waiting) for tag, (went, waiting) in totals.items()}
 
     def states(self, tags: list[str]) -> list[DomainState]:
-        """The state of each domain (by its :func:`.bucket.key_tag`), read in one pipeline."""
+        """The state of each domain (by its :func:`.bucket.key_tag`), read in one pipeline
+        (after Redis's time: a cluster's pipelines do not take TIME)."""
+        seconds, micros = self._client.time()
+        now = (seconds - SCRIPT_EPOCH) * 1_000_000 + micros
         pipeline = self._client.pipeline(transaction=False)
-        pipeline.time()
         for tag in tags:
             key = tagged_key(self._prefix, tag)
             pipeline.get(key)
             pipeline.hmget(key + PENALTY_SUFFIX, "strikes", "until")
             pipeline.get(key + RATE_SUFFIX)
         replies = pipeline.execute()
-        seconds, micros = replies[0]
-        now = (seconds - SCRIPT_EPOCH) * 1_000_000 + micros
-        return [_state(tag, now, *replies[1 + 3 * n : 4 + 3 * n]) for n, tag in enumerate(tags)]
+        return [_state(tag, now, *replies[3 * n : 3 * n + 3]) for n, tag in enumerate(tags)]
 
 
 def _state(

@@ -50,7 +50,7 @@ from .config import (
     ThrottleConfigError,
     format_rate,
 )
-from .connection import connect
+from .connection import close, connect
 from .crawl_delay import CrawlDelays
 from .penalties import Pauses, parse_retry_after
 from .resilience import STATS_PREFIX, ResilientBucket, sleep
@@ -154,7 +154,7 @@ class RedisThrottleMiddleware:
         self.pauses.stop()
         await self.activity.stop()
         await self.budget.aclose()
-        await self.redis.aclose(close_connection_pool=True)
+        await close(self.redis)
 
     def _log_extra(self) -> dict[str, Any]:
         return {"spider": self.crawler.spider}

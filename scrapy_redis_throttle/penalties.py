@@ -25,13 +25,15 @@ from scrapy.utils.defer import maybe_deferred_to_future
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import deferLater
 
+from .connection import pubsub
 from .resilience import STATS_PREFIX, sleep
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from redis.asyncio import Redis
     from scrapy.statscollectors import StatsCollector
+
+    from .connection import ThrottleRedis
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ class Pauses:
 
     def __init__(
         self,
-        redis: Redis,
+        redis: ThrottleRedis,
         channel: str,
         stats: StatsCollector,
         log_extra: Callable[[], dict[str, Any]],
@@ -144,20 +146,17 @@ class Pauses:
 
     async def _listen(self) -> None:
         while True:
-            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(self._channel)
-                self._failing = False
-                while True:
-                    message = await pubsub.get_message(timeout=LISTEN_TIMEOUT)
-                    if message is not None:
-                        self._received(message["data"])
+                async with pubsub(self._redis) as subscriber:
+                    await subscriber.subscribe(self._channel)
+                    self._failing = False
+                    while True:
+                        message = await subscriber.get_message(timeout=LISTEN_TIMEOUT)
+                        if message is not None:
+                            self._received(message["data"])
             except (RedisError, OSError) as exc:
                 self._listen_failed(exc)
                 await sleep(RESUBSCRIBE_DELAY)
-            finally:
-                with suppress(RedisError, OSError):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     def _listen_failed(self, exc: Exception) -> None:
         self._stats.inc_value(f"{STATS_PREFIX}/listener_errors/{type(exc).__name__}")

@@ -30,15 +30,16 @@ from twisted.internet.task import deferLater
 
 from .bucket import AcquireResult, TokenBucket
 from .config import FALLBACK_LOCAL, FALLBACK_OPEN
+from .connection import ping
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
-    from redis.asyncio import Redis
     from scrapy.statscollectors import StatsCollector
 
     from .bucket import Penalty, SlowDown
     from .config import Limit, ThrottleConfig
+    from .connection import ThrottleRedis
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +200,7 @@ class ResilientBucket:
 
     def __init__(
         self,
-        redis: Redis,
+        redis: ThrottleRedis,
         config: ThrottleConfig,
         stats: StatsCollector,
         log_extra: Callable[[], dict[str, Any]],
@@ -218,7 +219,7 @@ class ResilientBucket:
         """PING Redis at start-up, so that an unavailable Redis is reported before the first
         request (and the first requests go by the policy at once)."""
         try:
-            await self._redis.ping()
+            await ping(self._redis)
         except RedisError as exc:
             self._failed(exc)
 

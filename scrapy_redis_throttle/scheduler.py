@@ -33,7 +33,7 @@ from scrapy_redis.scheduler import Scheduler as ScrapyRedisScheduler
 
 from .config import queue_redis_connection
 from .connection import connect_url
-from .scripts import LuaScript
+from .scripts import lua_script
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -144,8 +144,8 @@ class RedisParking:
         self._redis = redis
         self._spider = spider
         self._serializer = serializer  # scrapy-redis's SCHEDULER_SERIALIZER (pickle by default)
-        self._park_script = LuaScript(redis, "park.lua")
-        self._unpark_script = LuaScript(redis, "unpark.lua")
+        self._park_script = lua_script(redis, "park.lua")
+        self._unpark_script = lua_script(redis, "unpark.lua")
 
     async def park(self, request: Request, delay: float) -> None:
         encoded = self._serializer.dumps(request.to_dict(spider=self._spider))

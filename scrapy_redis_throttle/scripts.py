@@ -8,13 +8,28 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from redis.exceptions import NoScriptError, ResponseError
+from redis.crc import key_slot
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    ClusterError,
+    MovedError,
+    NoScriptError,
+    ResponseError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from .connection import ClusterClient
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from redis.asyncio import Redis
+    from redis.asyncio.cluster import ClusterNode
     from redis.asyncio.connection import AbstractConnection
+
+    from .connection import ThrottleRedis
 
 
 def load_script(name: str) -> str:
@@ -30,9 +45,109 @@ def load_script(name: str) -> str:
 
 
 _Call = tuple["Sequence[str]", "Sequence[Any]", "asyncio.Future[Any]"]
+# As redis-py: a call redirected this many times in a row fails.
+MAX_REDIRECTIONS = 16
+# TRYAGAIN: a slot's keys are split between two nodes while it moves, for milliseconds.
+TRY_AGAIN_DELAY = 0.05
 
 
-class LuaScript:
+def lua_script(redis: ThrottleRedis, name: str) -> LuaScript | ClusterLuaScript:
+    """``lua/<name>``, called as suits the throttle's Redis: one server or a cluster."""
+    if isinstance(redis, ClusterClient):
+        return ClusterLuaScript(redis, name)
+    pool = redis.connection_pool
+    # The client's settings (URL, password, TLS, timeouts, no retries), not its pool.
+    return LuaScript(pool.connection_class(**pool.connection_kwargs), name)
+
+
+class _Source:
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._source = load_script(name)
+        self._sha = hashlib.sha1(self._source.encode("utf-8")).hexdigest()
+
+
+class ClusterLuaScript(_Source):
+    """``lua/<name>`` on a Redis Cluster: a :class:`LuaScript` per primary, on a connection
+    of its own with the cluster client's settings; each call goes to the primary that serves
+    its keys' slot (all of one call's keys are in one slot).
+
+    Redirections are followed here, not by redis-py's cluster client: it sends ``ASKING`` and
+    the command on two of its pooled connections, which fails once it has several. A call
+    answered MOVED goes to the slot's new primary, after the slots are read again; one answered
+    ASK (its slot is moving, its keys have gone) goes to the node it names, after ``ASKING`` on
+    the same connection; TRYAGAIN (the keys of a multi-key call are split while their slot
+    moves) waits a moment. Each of these replies means the script did not run. A failed call is
+    not made again (it may have run), but the slots are read again before the next one: a
+    failover may be under way."""
+
+    def __init__(self, cluster: ClusterClient, name: str) -> None:
+        super().__init__(name)
+        self._cluster = cluster
+        self._on_node: dict[str, LuaScript] = {}
+
+    async def __call__(self, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        slot = key_slot(keys[0].encode())
+        asked: tuple[str, int] | None = None
+        for _ in range(MAX_REDIRECTIONS):
+            node = await self._cluster.primary_for(slot)
+            try:
+                if asked is not None:
+                    return await self._asking(node, *asked, keys, args)
+                return await self._script_on(node)(keys, args)
+            except MovedError:
+                self._cluster.slots_moved()
+                asked = None
+            except AskError as ask:
+                asked = (ask.host, int(ask.port))
+            except TryAgainError:
+                asked = None
+                await asyncio.sleep(TRY_AGAIN_DELAY)
+            except (RedisConnectionError, RedisTimeoutError, ClusterDownError):
+                self._cluster.slots_moved()
+                raise
+        raise ClusterError(f"{keys[0]!r} redirected {MAX_REDIRECTIONS} times in a row")
+
+    def _script_on(self, node: ClusterNode) -> LuaScript:
+        script = self._on_node.get(node.name)
+        if script is None:
+            connection = node.connection_class(**node.connection_kwargs)
+            script = self._on_node[node.name] = LuaScript(connection, self._name)
+        return script
+
+    async def _asking(
+        self, source: ClusterNode, host: str, port: int, keys: Sequence[str], args: Sequence[Any]
+    ) -> Any:
+        """The call on the node an ASK from *source* named, on a connection for it alone (a
+        slot moves rarely), with *source*'s settings: the script loaded, ``ASKING``, and the
+        call, in one pipeline."""
+        connection = source.connection_class(
+            **{**source.connection_kwargs, "host": host, "port": port}
+        )
+        try:
+            await connection.connect()  # type: ignore[no-untyped-call]
+            await connection.send_packed_command(
+                connection.pack_commands(
+                    [
+                        ("SCRIPT", "LOAD", self._source),
+                        ("ASKING",),
+                        ("EVALSHA", self._sha, len(keys), *keys, *args),
+                    ]
+                ),
+                check_health=False,
+            )
+            await connection.read_response()
+            await connection.read_response()
+            return await connection.read_response()
+        finally:
+            await connection.disconnect()
+
+    async def aclose(self) -> None:
+        for script in self._on_node.values():
+            await script.aclose()
+
+
+class LuaScript(_Source):
     """``lua/<name>``, run with EVALSHA on a connection of its own, one batch at a time.
 
     A call made while nothing is under way goes at once. The calls made while a batch is under
@@ -48,12 +163,9 @@ class LuaScript:
     after NOSCRIPT is safe, it did not run.
     """
 
-    def __init__(self, redis: Redis, name: str) -> None:
-        self._source = load_script(name)
-        self._sha = hashlib.sha1(self._source.encode("utf-8")).hexdigest()
-        # The client's settings (URL, password, TLS, timeouts, no retries), not its pool.
-        pool = redis.connection_pool
-        self._connection: AbstractConnection = pool.connection_class(**pool.connection_kwargs)
+    def __init__(self, connection: AbstractConnection, name: str) -> None:
+        super().__init__(name)
+        self._connection = connection
         self._in_flight = False  # a batch is on the connection
         self._queue: list[_Call] = []  # the calls made meanwhile: the next batch
         self._sender: asyncio.Task[None] | None = None

@@ -1,5 +1,5 @@
-"""Crawls in OS processes of their own (``crawl_worker.py``), and bounded waits: for the tests
-and the benchmarks alike (so no pytest here)."""
+"""Crawls in OS processes of their own (``crawl_worker.py``), the command line tool in one, and
+bounded waits: for the tests and the benchmarks alike (so no pytest here)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,18 @@ def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s: {message}")
         time.sleep(interval)
+
+
+def tool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``scrapy-redis-throttle`` in a process of its own."""
+    return subprocess.run(
+        [sys.executable, "-m", "scrapy_redis_throttle.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=cwd,
+        check=False,
+    )
 
 
 def start_crawl_worker(job: dict[str, Any]) -> subprocess.Popen[str]:

@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
+import re
+import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine, Generator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest_twisted
-from processes import WORKER, finish_crawl_workers, start_crawl_workers, wait_until
+from demo_site import HOSTS, DemoSite
+from processes import WORKER, finish_crawl_workers, start_crawl_workers, tool, wait_until
 from redis.asyncio import Redis
 from scrapy.crawler import CrawlerRunner
 from scrapy.utils.defer import deferred_from_coro, maybe_deferred_to_future
@@ -22,9 +28,27 @@ from scrapy_redis_throttle.control import SCRIPT_EPOCH
 
 if TYPE_CHECKING:
     import redis
-    from demo_site import DemoSite
     from local_redis import RedisServer
     from scrapy.crawler import Crawler
+
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def documented_acl_rules() -> list[str]:
+    """The rules of README's ``ACL SETUSER throttle-worker on >password ...`` line."""
+    match = re.search(r"^ACL SETUSER throttle-worker on >\S+ (.+)$", README.read_text(), re.M)
+    assert match, "README.md documents no ACL SETUSER throttle-worker line"
+    return match[1].split()
+
+
+def documented_cluster_rights() -> list[str]:
+    """The rights README says a worker needs on top of those on a Redis Cluster."""
+    match = re.search(
+        r"On a Redis Cluster, create the user on every node, with\s+`([^`]+)`", README.read_text()
+    )
+    assert match, "README.md documents no rights for a Redis Cluster"
+    return match[1].split()
 
 
 def redis_now_us(client: redis.Redis) -> int:
@@ -110,6 +134,28 @@ def pages(
     ]
 
 
+def one_domain_jobs(
+    site: DemoSite,
+    host: str,
+    settings: dict[str, Any],
+    rates: dict[str, Any],
+    workers: int,
+    pages_each: int,
+    first: int = 0,
+) -> list[dict[str, Any]]:
+    """Jobs for :func:`start_crawl_workers`: *workers* processes with *settings* and *rates*
+    (their spiders' ``redis_throttle_rates``), each crawling *pages_each* pages of *host* of its
+    own, from page *first* on."""
+    return [
+        {
+            "settings": settings,
+            "requests": pages(site, host, pages_each, first=first + worker * pages_each),
+            "spider_attributes": {"redis_throttle_rates": rates},
+        }
+        for worker in range(workers)
+    ]
+
+
 def crawl_settings(redis_url: str, **overrides: Any) -> dict[str, Any]:
     return {**BASE_SETTINGS, "REDIS_URL": redis_url, **overrides}
 
@@ -124,18 +170,86 @@ async def run_crawl(
     return crawler
 
 
+FAILOVER_HOST = HOSTS[0]
+FAILOVER_PAGES = 80
+
+
+def crawl_through_failover(
+    settings: dict[str, Any],
+    barrier_url: str,
+    fail_over: Callable[[], None],
+    failed_over: Callable[[], bool],
+    killed: bool,
+) -> None:
+    """Two worker processes crawl a domain at 10/s; after 20 arrivals, *fail_over* makes the
+    primary of its keys fail over (asked for, or *killed*), and *failed_over* tells when a
+    replica took over. Every page must be fetched once, and the limit hold: while no primary
+    answers, as the "local" policy paces (each worker at 10/s / 2 on its own, so two may go
+    together; and one moment may be handed out twice, a write the old primary had not passed
+    on). The fleet must not pause: the longest gap between arrivals is printed, with how long
+    the failover took."""
+    # Two requests at a time per worker: they ask Redis all along, through the failover.
+    settings = {**settings, "REDIS_THROTTLE_FALLBACK_WORKERS": 2, "CONCURRENT_REQUESTS": 2}
+    host = FAILOVER_HOST
+    half = FAILOVER_PAGES // 2
+    with DemoSite(HOSTS, pages=FAILOVER_PAGES) as site:
+        jobs = one_domain_jobs(site, host, settings, {host: "10/s"}, 2, half)
+        workers = start_crawl_workers(barrier_url, jobs)
+        wait_until(lambda: len(site.arrivals(host)) >= 20, 60, "20 arrivals before the failover")
+        failing_over = time.monotonic()
+        fail_over()
+        wait_until(failed_over, 30, "the failover")
+        switched = time.monotonic()
+        all_stats = finish_crawl_workers(workers, 120)
+        arrivals = site.arrivals(host)
+
+    paths = Counter(arrival.path for arrival in arrivals)
+    assert len(paths) == FAILOVER_PAGES
+    assert max(paths.values()) == 1, "no page fetched twice"
+    times = sorted(arrival.time for arrival in arrivals)
+    fallback = sum(stats.get("redis_throttle/fallback/local", 0) for stats in all_stats)
+    errors = {
+        name: sum(stats.get(name, 0) for stats in all_stats)
+        for name in sorted({name for stats in all_stats for name in stats})
+        if "redis_errors" in name
+    }
+    if killed:
+        assert fallback >= 2, "requests asked while there was no primary"
+    else:
+        assert errors == {}, "a failover asked for fails no call"
+    if fallback:
+        assert_paced(times, rate=10, burst=2, what=host, extra=1)
+    else:
+        assert_paced(times, rate=10, burst=1, what=host)
+    around = [t for t in times if failing_over - 1 < t < switched + 5]
+    pause = max(later - earlier for earlier, later in itertools.pairwise(around))
+    print(
+        f"failover {'after a kill' if killed else 'asked for'}: done in "
+        f"{switched - failing_over:.2f} s; longest gap at the site {pause:.3f} s; "
+        f"{fallback} requests paced locally; failed calls {errors}"
+    )
+    assert pause < 0.5, (
+        f"the fleet paused {pause:.2f} s (failover: {switched - failing_over:.2f} s)"
+    )
+
+
 __all__ = [
     "WORKER",
     "achieved_rate",
     "assert_paced",
     "async_test",
     "crawl_settings",
+    "crawl_through_failover",
+    "documented_acl_rules",
+    "documented_cluster_rights",
     "finish_crawl_workers",
+    "one_domain_jobs",
     "pages",
     "redis_now_us",
     "run_crawl",
     "start_crawl_workers",
     "token_bucket",
+    "tool",
     "wait_until",
     "wait_until_async",
 ]

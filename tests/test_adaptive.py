@@ -15,6 +15,7 @@ from support import (
     async_test,
     crawl_settings,
     finish_crawl_workers,
+    one_domain_jobs,
     pages,
     redis_now_us,
     run_crawl,
@@ -181,14 +182,9 @@ def test_the_fleet_slows_down_after_a_429_and_remembers_it_across_restarts(
     with DemoSite(HOSTS, pages=40, errors=errors) as site:
 
         def crawl(first_page: int) -> list[dict[str, Any]]:
-            jobs = [
-                {
-                    "settings": adaptive_settings(redis_server.url),
-                    "requests": pages(site, A, 10, first=first_page + worker * 10),
-                    "spider_attributes": {"redis_throttle_rates": {A: "10/s"}},
-                }
-                for worker in range(2)
-            ]
+            jobs = one_domain_jobs(
+                site, A, adaptive_settings(redis_server.url), {A: "10/s"}, 2, 10, first=first_page
+            )
             return finish_crawl_workers(start_crawl_workers(redis_server.url, jobs), 90)
 
         first = crawl(0)

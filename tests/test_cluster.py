@@ -1,7 +1,10 @@
-"""Redis Cluster: every script call touches the keys of one hash slot (part of #9)."""
+"""Redis Cluster (part of #9): every script call touches the keys of one hash slot; and, on a
+real cluster of 3 primaries with a replica each, the tool, a slot moved under a running fleet
+(ASK and MOVED), and failovers. (tests/test_fleet.py runs its fleet on such a cluster too.)"""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import threading
 from collections.abc import Iterator
@@ -12,19 +15,33 @@ import pytest
 import redis
 from demo_site import HOSTS, DemoSite
 from local_redis import RedisServer, free_port
+from redis_topologies import UNUSED_URL, LocalCluster
+from scrapy.settings import Settings
 from support import (
+    assert_paced,
     async_test,
     crawl_settings,
+    crawl_through_failover,
+    documented_acl_rules,
+    documented_cluster_rights,
+    finish_crawl_workers,
+    one_domain_jobs,
     pages,
     run_crawl,
+    start_crawl_workers,
+    tool,
     wait_until,
 )
 
-from scrapy_redis_throttle.config import parse_limit
+from scrapy_redis_throttle.bucket import AcquireResult, TokenBucket, bucket_key
+from scrapy_redis_throttle.cli import EXIT_REDIS_FAILED
+from scrapy_redis_throttle.config import Limit, ThrottleConfig, parse_limit
+from scrapy_redis_throttle.connection import close, connect
 from scrapy_redis_throttle.control import LiveControl
 from scrapy_redis_throttle.scripts import load_script
 
 A, B, C = HOSTS
+PREFIX = "redis_throttle"
 
 
 @pytest.fixture
@@ -141,3 +158,206 @@ def script_names() -> dict[str, str]:
     """Each worker script's name, by the first 8 hex digits of its SHA-1 (as MONITOR shows)."""
     names = ("token_bucket.lua", "penalty.lua", "slow_down.lua", "set_limit.lua", "parked.lua")
     return {hashlib.sha1(load_script(name).encode()).hexdigest()[:8]: name for name in names}
+
+
+@async_test
+async def test_script_calls_follow_ask_and_moved_and_run_once(redis_cluster: LocalCluster) -> None:
+    """20 calls at a time on a domain's bucket, before its slot moves, while its key has left
+    (ASK) and after (MOVED): each one runs once, where the key is. (redis-py's own client sends
+    ASKING on one of its pooled connections and the call on another: most such calls failed.)"""
+    key = bucket_key(PREFIX, A)
+    slot = redis_cluster.slot(key)
+    source = redis_cluster.owner(slot)
+    target = next(node for node in redis_cluster.primaries() if node is not source)
+    target_id = redis_cluster.node_id(target)
+    client = connect(
+        ThrottleConfig.from_settings(
+            Settings({"REDIS_URL": UNUSED_URL, **redis_cluster.settings()})
+        )
+    )
+    bucket = TokenBucket(client, PREFIX)
+    limit = Limit(rate=0.001, burst=100, text="100 tokens, none back during the test")
+    results: list[AcquireResult] = []
+
+    async def twenty_calls() -> None:
+        results.extend(await asyncio.gather(*(bucket.acquire(A, limit) for _ in range(20))))
+
+    try:
+        await twenty_calls()
+        with source.client() as old, target.client() as new:
+            new.execute_command(
+                "CLUSTER", "SETSLOT", slot, "IMPORTING", redis_cluster.node_id(source)
+            )
+            old.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+            old.execute_command("MIGRATE", "127.0.0.1", target.port, key, 0, 5000)
+            await twenty_calls()
+            asked = errors(source, "ASK")
+            for node in redis_cluster.primaries():
+                with node.client() as each:
+                    each.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+            await twenty_calls()
+            moved = errors(source, "MOVED")
+            in_slot = [
+                node.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) for node in (old, new)
+            ]
+            assert in_slot == [0, 1], "the key moved"
+    finally:
+        await bucket.aclose()
+        await close(client)
+
+    assert all(result.allowed for result in results)
+    assert sorted(round(result.tokens_left) for result in results) == list(range(40, 100)), (
+        "60 tokens taken, one by each call"
+    )
+    assert asked >= 20
+    assert moved >= 1
+
+
+def test_the_tool_works_on_every_node_of_a_cluster(redis_cluster: LocalCluster) -> None:
+    """Domains whose keys live on three different primaries: the tool sets and lists them
+    all, and its status scans every primary."""
+    domains = one_domain_per_primary(redis_cluster)
+    nodes = ["--cluster-nodes", redis_cluster.addresses[0]]
+    for domain in domains:
+        done = tool(*nodes, "set", domain, "2/s")
+        assert (done.returncode, done.stderr) == (0, ""), domain
+    done = tool(*nodes, "list")
+    assert done.stdout == "".join(f"{domain}: 2/s (workers' burst)\n" for domain in domains)
+    done = tool(*nodes, "status")
+    assert [line.split()[0] for line in done.stdout.splitlines()[1:]] == domains, done.stdout
+
+
+def test_the_tool_says_when_no_node_of_the_cluster_answers(tmp_path: Path) -> None:
+    done = tool("--cluster-nodes", "127.0.0.1:1", "list", cwd=tmp_path)
+    assert done.returncode == EXIT_REDIS_FAILED
+    assert "Redis at Redis Cluster (seed nodes 127.0.0.1:1) failed: " in done.stderr
+
+
+def one_domain_per_primary(cluster: LocalCluster) -> list[str]:
+    """Domains (sorted) whose bucket keys are on different primaries, one per primary."""
+    domains: dict[int, str] = {}
+    for n in range(100):
+        domain = f"shop-{n}.example"
+        domains.setdefault(cluster.owner(cluster.slot(bucket_key(PREFIX, domain))).port, domain)
+    assert len(domains) == 3, domains
+    return sorted(domains.values())
+
+
+@pytest.mark.parametrize("dropped", [None, "+asking"])
+def test_a_fleet_goes_on_while_a_slot_moves(
+    redis_cluster: LocalCluster, redis_server: RedisServer, dropped: str | None
+) -> None:
+    """Two worker processes crawl A at 10/s while its slot moves to another primary, as
+    ``redis-cli --cluster reshard`` moves it. The slot's key moves first: meanwhile, the old
+    node answers ASK (for a key that has left), then, once the move ends, MOVED. The workers,
+    with README's rights on a cluster, follow both, and no call fails; without ``+asking``, the
+    calls sent on with ASK fail."""
+    slot = redis_cluster.slot(bucket_key(PREFIX, A))
+    source = redis_cluster.owner(slot)
+    target = next(node for node in redis_cluster.primaries() if node is not source)
+    source_id, target_id = redis_cluster.node_id(source), redis_cluster.node_id(target)
+    settings = crawl_settings(
+        redis_server.url,
+        **redis_cluster.settings(),
+        REDIS_THROTTLE_URL=add_worker_user(redis_cluster, dropped),
+        REDIS_THROTTLE_FALLBACK_WORKERS=2,
+        CONCURRENT_REQUESTS=2,
+    )
+    with DemoSite(HOSTS, pages=60) as site:
+        jobs = one_domain_jobs(site, A, settings, {A: "10/s"}, 2, 30)
+        workers = start_crawl_workers(redis_server.url, jobs)
+        wait_until(lambda: len(site.arrivals(A)) >= 15, 60, "15 arrivals before the move")
+        with source.client() as old, target.client() as new:
+            new.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+            old.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+            while keys := old.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+                old.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys)
+            # The move is held here until a worker was sent on with ASK.
+            wait_until(lambda: errors(source, "ASK") > 0, 30, "an ASK redirection")
+            for node in (new, old):
+                node.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+        for node in redis_cluster.primaries():
+            if node not in (source, target):
+                with node.client() as client:
+                    client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+        wait_until(lambda: errors(source, "MOVED") > 0, 30, "a MOVED redirection")
+        all_stats = finish_crawl_workers(workers, 120)
+        arrivals = site.arrivals(A)
+
+    assert redis_cluster.owner(slot) is target
+    assert sorted(arrival.path for arrival in arrivals) == sorted(
+        f"/page/{n}" for n in range(60)
+    ), "every page once"
+    times = [arrival.time for arrival in arrivals]
+    failures = {name for stats in all_stats for name in stats if "errors" in name}
+    if dropped is None:
+        assert failures == set()
+        assert_paced(times, rate=10, burst=1, what=A)
+    else:  # the policy paces the calls that failed (README, "When Redis fails")
+        assert "redis_throttle/redis_errors/NoPermissionError" in failures
+    print(
+        f"slot moved: ASK {errors(source, 'ASK')}, MOVED {errors(source, 'MOVED')}, "
+        f"TRYAGAIN {errors(source, 'TRYAGAIN') + errors(target, 'TRYAGAIN')}"
+    )
+
+
+def add_worker_user(cluster: LocalCluster, dropped: str | None = None) -> str:
+    """README's worker user, with its rights on a cluster but *dropped*, on every node; the
+    throttle's URL for it."""
+    rights = [right for right in documented_cluster_rights() if right != dropped]
+    for node in cluster.nodes:
+        node.add_user("throttle-worker", "worker-secret", *documented_acl_rules(), *rights)
+    return "redis://throttle-worker:worker-secret@127.0.0.1:1/0"
+
+
+@pytest.mark.parametrize(
+    "dropped", [right for right in documented_cluster_rights() if right != "+asking"]
+)
+@async_test
+async def test_each_documented_cluster_right_is_needed(
+    redis_cluster: LocalCluster, dropped: str
+) -> None:
+    """Without it, the cluster client cannot reach the cluster: every call fails. (The test
+    above shows that ``+asking`` is needed while a slot moves.)"""
+    url = add_worker_user(redis_cluster, dropped)
+    with DemoSite(HOSTS, pages=3) as site:
+        crawler = await run_crawl(
+            crawl_settings(url, **redis_cluster.settings()), pages(site, A, 3)
+        )
+    stats = crawler.stats.get_stats()
+    assert stats["test/responses"] == 3
+    assert stats["redis_throttle/fallback/local"] == 3, stats
+
+
+def errors(node: RedisServer, code: str) -> int:
+    """How many replies of the error *code* (MOVED, ASK, ...) *node* sent."""
+    with node.client() as client:
+        stats = client.info("errorstats")
+    return int(stats.get(f"errorstat_{code}", {}).get("count", 0))
+
+
+@pytest.mark.parametrize("how", ["asked", "primary killed"])
+def test_a_fleet_goes_on_through_a_cluster_failover(
+    own_cluster: LocalCluster, redis_server: RedisServer, how: str
+) -> None:
+    """The replica of the primary that serves A's keys takes over under a running fleet,
+    asked to (``CLUSTER FAILOVER``) or because the primary died (see
+    :func:`crawl_through_failover`)."""
+    slot = own_cluster.slot(bucket_key(PREFIX, A))
+    primary = own_cluster.owner(slot)
+    replica = own_cluster.replica_of(primary)
+
+    def fail_over() -> None:
+        if how == "asked":
+            with replica.client() as client:
+                client.execute_command("CLUSTER", "FAILOVER")
+        else:
+            primary.stop()
+
+    crawl_through_failover(
+        crawl_settings(redis_server.url, **own_cluster.settings()),
+        redis_server.url,
+        fail_over,
+        lambda: own_cluster.owner(slot) is replica,
+        killed=how == "primary killed",
+    )

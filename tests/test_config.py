@@ -25,6 +25,7 @@ from scrapy_redis_throttle.config import (
     queue_redis_connection,
     redact_url,
 )
+from scrapy_redis_throttle.connection import ClusterClient, connect
 
 
 def config(spider_rates: object = None, **settings: Any) -> ThrottleConfig:
@@ -241,6 +242,22 @@ def test_sentinels() -> None:
     assert config().sentinel is None
 
 
+def test_cluster_nodes() -> None:
+    cfg = config(
+        REDIS_THROTTLE_CLUSTER_NODES="10.0.0.1:6379, node-2:7000",  # as from -s
+        REDIS_THROTTLE_URL="rediss://worker:p@ignored:6379/0",
+    )
+    assert cfg.cluster is not None
+    assert cfg.cluster.addresses == (("10.0.0.1", 6379), ("node-2", 7000))
+    assert cfg.redis_location == "Redis Cluster (seed nodes 10.0.0.1:6379, node-2:7000)"
+    assert config().cluster is None
+    # No database in the URL (0, a cluster's only one) will do as well.
+    without_db = config(REDIS_THROTTLE_CLUSTER_NODES="a:1", REDIS_THROTTLE_URL="redis://u:p@h")
+    client = connect(without_db)
+    assert isinstance(client, ClusterClient)
+    assert client.get_connection_kwargs()["username"] == "u"
+
+
 def test_describe_lists_effective_limits() -> None:
     cfg = config(spider_rates={"a.example": "5/s", "*.b.example": None})
     assert cfg.limits.describe() == [
@@ -301,6 +318,11 @@ ADAPTIVE = {"REDIS_THROTTLE_ADAPTIVE_ENABLED": True}
         ({"REDIS_THROTTLE_SENTINELS": ["127.0.0.1"]}, "REDIS_THROTTLE_SENTINELS must be a list of 'host:port', got \\['127.0.0.1'\\]"),
         ({"REDIS_THROTTLE_SENTINELS": "a:1,b:x"}, "REDIS_THROTTLE_SENTINELS must be a list of 'host:port', got 'a:1,b:x' \\('b:x'\\)"),
         ({"REDIS_THROTTLE_SENTINELS": ["a:26379"]}, "REDIS_THROTTLE_SENTINEL_SERVICE must name the primary the sentinels watch"),
+        ({"REDIS_THROTTLE_CLUSTER_NODES": "a:1,b"}, "REDIS_THROTTLE_CLUSTER_NODES must be a list of 'host:port', got 'a:1,b' \\('b'\\)"),
+        ({"REDIS_THROTTLE_CLUSTER_NODES": ["a:1"], "REDIS_THROTTLE_SENTINELS": ["b:2"], "REDIS_THROTTLE_SENTINEL_SERVICE": "m"}, "REDIS_THROTTLE_CLUSTER_NODES and REDIS_THROTTLE_SENTINELS are both set"),
+        ({"REDIS_THROTTLE_CLUSTER_NODES": ["a:1"], "REDIS_THROTTLE_URL": "redis://:secret@h:6379/2"}, "REDIS_THROTTLE_CLUSTER_NODES: a cluster has database 0 alone, but the URL is 'redis://:\\*\\*\\*@h:6379/2'"),
+        ({"REDIS_THROTTLE_CLUSTER_NODES": ["a:1"], "REDIS_THROTTLE_URL": "unix:///run/redis.sock"}, "REDIS_THROTTLE_CLUSTER_NODES: a cluster is reached over TCP"),
+        ({"REDIS_THROTTLE_CLUSTER_NODES": ["a:1"], "REDIS_THROTTLE_PARAMS": {"socket_type": 0}}, "REDIS_THROTTLE_CLUSTER_NODES: redis-py's cluster client does not take the connection parameter\\(s\\) \\['socket_type'\\]"),
         ({"REDIS_THROTTLE_SENTINEL_SERVICE": "mymaster"}, "REDIS_THROTTLE_SENTINEL_SERVICE is 'mymaster' but REDIS_THROTTLE_SENTINELS lists no sentinel"),
         ({"REDIS_THROTTLE_SENTINELS": ["a:26379"], "REDIS_THROTTLE_SENTINEL_SERVICE": "m", "REDIS_THROTTLE_SENTINEL_PARAMS": {"pasword": "x"}}, "REDIS_THROTTLE_SENTINEL_PARAMS: unknown redis-py connection parameter\\(s\\) \\['pasword'\\]"),
         ({"REDIS_THROTTLE_RATES": {"a.example": []}}, r"REDIS_THROTTLE_RATES\['a.example'\]: an empty list of limits"),

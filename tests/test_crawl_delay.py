@@ -15,6 +15,7 @@ from support import (
     async_test,
     crawl_settings,
     finish_crawl_workers,
+    one_domain_jobs,
     pages,
     run_crawl,
     start_crawl_workers,
@@ -135,14 +136,14 @@ def test_a_fleet_keeps_the_crawl_delay_between_all_its_requests(
     least 2 s apart, whichever worker sent them."""
     workers_count, pages_each = 3, 2
     with DemoSite(HOSTS, pages=10, robots={A: robots(2)}) as site:
-        jobs = [
-            {
-                "settings": crawl_settings(redis_server.url, ROBOTSTXT_OBEY=True),
-                "requests": pages(site, A, pages_each, first=worker * pages_each),
-                "spider_attributes": {"redis_throttle_rates": {A: "5/s"}},
-            }
-            for worker in range(workers_count)
-        ]
+        jobs = one_domain_jobs(
+            site,
+            A,
+            crawl_settings(redis_server.url, ROBOTSTXT_OBEY=True),
+            {A: "5/s"},
+            workers_count,
+            pages_each,
+        )
         all_stats = finish_crawl_workers(start_crawl_workers(redis_server.url, jobs), 90)
         times = page_times(site, A)
         robots_fetches = [a for a in site.arrivals(A) if a.path == "/robots.txt"]

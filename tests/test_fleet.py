@@ -1,5 +1,6 @@
 """A fleet of 3 ``scrapy crawl shop`` OS processes (example_project: scrapy-redis scheduler and
-dupefilter, one Redis) against the demo site, judged from the site's arrival log."""
+dupefilter) against the demo site, judged from the site's arrival log. The throttle's Redis is
+scrapy-redis's own, or a Sentinel-managed primary, or a Redis Cluster."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 from demo_site import HOSTS, DemoSite
 from local_redis import RedisServer
+from redis_topologies import Topology, throttle_settings
 from run_demo import (
     Run,
     busiest_window,
@@ -49,13 +51,22 @@ def limit_of(host: str) -> Limit:
 
 
 @pytest.fixture
-def fleet_run(redis_server: RedisServer, tmp_path: Path) -> Iterator[Fleet]:
+def fleet_run(
+    redis_server: RedisServer, throttle_redis: Topology, tmp_path: Path
+) -> Iterator[Fleet]:
     """Starts the site and the fleet; stops both, whatever the test did."""
+    settings = throttle_settings(throttle_redis)
     with DemoSite(HOSTS, pages=PAGES) as site:
         reset_redis(redis_server.url, site)
-        workers = start_workers(Run("fleet", {}), WORKERS, redis_server.url, tmp_path)
+        workers = start_workers(Run("fleet", settings), WORKERS, redis_server.url, tmp_path)
         try:
             yield site, workers
+            with throttle_redis.client() as client:
+                reports = list(client.scan_iter("redis_throttle:worker:*"))
+            assert len(reports) == WORKERS, f"the workers report to the throttle's Redis: {reports}"
+            if settings:
+                with redis_server.client() as client:
+                    assert list(client.scan_iter("redis_throttle:*")) == [], "nothing elsewhere"
         finally:
             stop_workers(workers)
             for log in sorted(tmp_path.glob("*.log")):
@@ -63,6 +74,7 @@ def fleet_run(redis_server: RedisServer, tmp_path: Path) -> Iterator[Fleet]:
                 assert "Traceback" not in text, f"{log.name}:\n{text[-3000:]}"
 
 
+@pytest.mark.parametrize("throttle_redis", ["scrapy-redis's", "Sentinel", "Cluster"], indirect=True)
 def test_fleet_shares_each_domain_budget_and_fetches_every_page_once(
     fleet_run: Fleet,
 ) -> None:

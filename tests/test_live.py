@@ -21,8 +21,10 @@ from support import (
     async_test,
     crawl_settings,
     finish_crawl_workers,
+    one_domain_jobs,
     pages,
     start_crawl_workers,
+    tool,
     wait_until,
     wait_until_async,
 )
@@ -168,18 +170,6 @@ def test_set_limit_script_validates_its_arguments(scripts: Scripts, args: list[s
     assert scripts.client.keys("*") == []
 
 
-def tool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """``scrapy-redis-throttle`` in a process of its own."""
-    return subprocess.run(
-        [sys.executable, "-m", "scrapy_redis_throttle.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=cwd,
-        check=False,
-    )
-
-
 def test_the_command_line_tool(redis_server: RedisServer, tmp_path: Path) -> None:
     url = ["--redis-url", redis_server.url]
     steps = [
@@ -274,14 +264,7 @@ def test_a_running_fleet_follows_a_limit_changed_live(redis_server: RedisServer)
     """Three worker processes crawl A at 10/s. The tool sets 2/s, then 10/s again: from one
     request interval after each change, the site sees the new rate."""
     with DemoSite(HOSTS, pages=200) as site:
-        jobs = [
-            {
-                "settings": crawl_settings(redis_server.url),
-                "requests": pages(site, A, 40, first=worker * 40),
-                "spider_attributes": {"redis_throttle_rates": {A: "10/s"}},
-            }
-            for worker in range(3)
-        ]
+        jobs = one_domain_jobs(site, A, crawl_settings(redis_server.url), {A: "10/s"}, 3, 40)
         workers = start_crawl_workers(redis_server.url, jobs)
         wait_until(lambda: len(site.arrivals(A)) >= 10, 60, "10 arrivals at 10/s")
         key = bucket_key("redis_throttle", A)

@@ -10,7 +10,9 @@ import pytest
 import redis
 from demo_site import HOSTS, DemoSite
 from local_redis import RedisServer
+from redis_topologies import Topology, throttle_settings
 from scrapy.crawler import CrawlerRunner
+from scrapy.settings import Settings
 from scrapy.utils.defer import maybe_deferred_to_future
 from spiders import UrlListSpider
 from support import (
@@ -18,6 +20,7 @@ from support import (
     async_test,
     crawl_settings,
     finish_crawl_workers,
+    one_domain_jobs,
     pages,
     redis_now_us,
     run_crawl,
@@ -27,11 +30,13 @@ from support import (
 )
 
 from scrapy_redis_throttle.bucket import (
+    TokenBucket,
     bucket_key,
     penalty_channel,
     penalty_key,
 )
-from scrapy_redis_throttle.config import Backoff, Limit
+from scrapy_redis_throttle.config import Backoff, Limit, ThrottleConfig
+from scrapy_redis_throttle.connection import close, connect
 from scrapy_redis_throttle.penalties import parse_retry_after
 
 A, B, C = HOSTS
@@ -251,14 +256,9 @@ def test_a_429_pauses_the_domain_for_every_worker(redis_server: RedisServer) -> 
     # The first request of the first worker: the later ones it reserved fall within the pause.
     errors = {(A, "/page/0"): [(429, {"Retry-After": "5"})]}
     with DemoSite(HOSTS, pages=20, errors=errors) as site:
-        jobs = [
-            {
-                "settings": crawl_settings(redis_server.url),
-                "requests": pages(site, A, pages_each, first=worker * pages_each),
-                "spider_attributes": {"redis_throttle_rates": {A: "5/s"}},
-            }
-            for worker in range(workers_count)
-        ]
+        jobs = one_domain_jobs(
+            site, A, crawl_settings(redis_server.url), {A: "5/s"}, workers_count, pages_each
+        )
         all_stats = finish_crawl_workers(start_crawl_workers(redis_server.url, jobs), 90)
         arrivals = site.arrivals(A)
 
@@ -272,19 +272,27 @@ def test_a_429_pauses_the_domain_for_every_worker(redis_server: RedisServer) -> 
     assert sum(s.get("redis_throttle/paused_reservations", 0) for s in all_stats) >= 1
 
 
+@pytest.mark.parametrize("throttle_redis", ["scrapy-redis's", "Cluster"], indirect=True)
 @async_test
 async def test_a_pause_published_by_another_worker_stops_reserved_requests(
-    redis_server: RedisServer, site: DemoSite
+    redis_server: RedisServer, throttle_redis: Topology, site: DemoSite
 ) -> None:
     """The crawl reserves a moment for each request at once; another worker (here, the test)
     then pauses the domain: the requests whose moments fall within the pause hear of it and
-    wait for it to end."""
-    runner = CrawlerRunner(crawl_settings(redis_server.url))
+    wait for it to end. (On a cluster, the pause is published on the primary of the domain's
+    slot, and the crawl listens on any node.)"""
+    settings = crawl_settings(redis_server.url, **throttle_settings(throttle_redis))
+    runner = CrawlerRunner(settings)
     crawler = runner.create_crawler(UrlListSpider)
     crawl = runner.crawl(crawler, requests=pages(site, A, 10), redis_throttle_rates={A: "5/s"})
     await wait_until_async(lambda: len(site.arrivals(A)) >= 2, "2 arrivals")
-    async with token_bucket(redis_server, prefix="redis_throttle") as other_worker:
-        penalty = await other_worker.penalize(A, Limit(5, 1, "5/s"), 2.0, BACKOFF)
+    other_worker = connect(ThrottleConfig.from_settings(Settings(settings)))
+    bucket = TokenBucket(other_worker, "redis_throttle")
+    try:
+        penalty = await bucket.penalize(A, Limit(5, 1, "5/s"), 2.0, BACKOFF)
+    finally:
+        await bucket.aclose()
+        await close(other_worker)
     paused_at = time.monotonic()
     await maybe_deferred_to_future(crawl)
 

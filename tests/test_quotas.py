@@ -20,6 +20,7 @@ from support import (
     async_test,
     crawl_settings,
     finish_crawl_workers,
+    one_domain_jobs,
     pages,
     redis_now_us,
     run_crawl,
@@ -366,14 +367,7 @@ def test_a_fleet_keeps_to_a_sliding_window(redis_server: RedisServer) -> None:
     # The loose second window keeps the log of a minute: the moments every request went.
     rates = {A: [{"rate": "10/2s", "algorithm": SLIDING}, {"rate": "1000/m", "algorithm": SLIDING}]}
     with DemoSite(HOSTS, pages=60) as site:
-        jobs = [
-            {
-                "settings": crawl_settings(redis_server.url),
-                "requests": pages(site, A, 20, first=worker * 20),
-                "spider_attributes": {"redis_throttle_rates": rates},
-            }
-            for worker in range(3)
-        ]
+        jobs = one_domain_jobs(site, A, crawl_settings(redis_server.url), rates, 3, 20)
         finish_crawl_workers(start_crawl_workers(redis_server.url, jobs), 120)
         arrivals = [arrival.time for arrival in site.arrivals(A)]
     with redis.Redis.from_url(redis_server.url) as client:
@@ -461,14 +455,7 @@ def test_status_shows_the_fleets_activity(redis_server: RedisServer) -> None:
     and those waiting, added up."""
     with DemoSite(HOSTS, pages=20) as site:
         settings = crawl_settings(redis_server.url, REDIS_THROTTLE_REPORT_INTERVAL=0.2)
-        jobs = [
-            {
-                "settings": settings,
-                "requests": pages(site, A, 6, first=worker * 6),
-                "spider_attributes": {"redis_throttle_rates": {A: "2/s"}},
-            }
-            for worker in range(2)
-        ]
+        jobs = one_domain_jobs(site, A, settings, {A: "2/s"}, 2, 6)
         workers = start_crawl_workers(redis_server.url, jobs)
         lines: list[str] = []
 

@@ -22,7 +22,7 @@ from scrapy_redis_throttle.bucket import (
 )
 from scrapy_redis_throttle.config import Limit
 from scrapy_redis_throttle.connection import connect_url
-from scrapy_redis_throttle.scripts import LuaScript
+from scrapy_redis_throttle.scripts import LuaScript, lua_script
 
 LIMIT = Limit(rate=10, burst=50, text="10/s (burst 50)")
 KEY = bucket_key("ns", "shop.example")
@@ -36,7 +36,8 @@ def throttle_connections(server: RedisServer) -> int:
 @asynccontextmanager
 async def token_bucket_script(server: RedisServer) -> AsyncIterator[LuaScript]:
     client = connect_url(server.url, {}, 1)
-    script = LuaScript(client, "token_bucket.lua")
+    script = lua_script(client, "token_bucket.lua")
+    assert isinstance(script, LuaScript)
     try:
         yield script
     finally:

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import logging
-import re
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 from demo_site import HOSTS, DemoSite
 from local_redis import RedisServer
-from support import async_test, crawl_settings, run_crawl
+from support import async_test, crawl_settings, documented_acl_rules, run_crawl
 
 from scrapy_redis_throttle.activity import parked_key
 
@@ -18,7 +16,6 @@ if TYPE_CHECKING:
     from scrapy.crawler import Crawler
 
 A = HOSTS[0]
-README = Path(__file__).resolve().parent.parent / "README.md"
 # Every script's command in use: a bucket, a fixed window, and a sliding window that refuses the
 # third request of three.
 RATES = {
@@ -36,13 +33,6 @@ PARKING = {
     "REDIS_THROTTLE_MAX_HOLD": 0,
     "REDIS_THROTTLE_REPORT_INTERVAL": 0.1,
 }
-
-
-def documented_acl_rules() -> list[str]:
-    """The rules of README's ``ACL SETUSER throttle-worker on >password ...`` line."""
-    match = re.search(r"^ACL SETUSER throttle-worker on >\S+ (.+)$", README.read_text(), re.M)
-    assert match, "README.md documents no ACL SETUSER throttle-worker line"
-    return match[1].split()
 
 
 def assert_shared(crawler: Crawler) -> None:

@@ -20,6 +20,10 @@ REDIS_URL = os.environ.get("REDIS_URL", "redis://localhost:6379/0")
 
 # scrapy-redis-throttle: one shared token bucket per domain, in the same Redis (REDIS_URL).
 ADDONS = {"scrapy_redis_throttle.Addon": 500}
+# The buckets may live elsewhere: in another Redis (REDIS_THROTTLE_URL), a Sentinel-managed
+# primary or a Redis Cluster (tests/test_fleet.py runs this project on each), e.g.
+#   REDIS_THROTTLE_SENTINELS = ["10.0.0.1:26379"]; REDIS_THROTTLE_SENTINEL_SERVICE = "throttle"
+#   REDIS_THROTTLE_CLUSTER_NODES = ["10.0.0.1:6379", "10.0.0.2:6379"]
 # Domains the spider does not list get this shared limit ("unlimited" or None: no limit).
 REDIS_THROTTLE_DEFAULT_RATE = "1/s"
 # A 429 or 503 pauses its domain for the whole fleet (REDIS_THROTTLE_PENALTY_HTTP_CODES); with the
