@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import random
 from contextlib import asynccontextmanager, suppress
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -39,7 +40,10 @@ class ClusterClient(RedisCluster):
     know yet fails with an AttributeError), and which tells the scripts where each slot is
     (see :class:`.scripts.ClusterLuaScript`)."""
 
-    _slots_stale = False
+    # Moves heard of (MOVED, a failed call), and how many of them the slots were read after.
+    _moves_heard = 0
+    _moves_read = 0
+    _reading: asyncio.Lock | None = None
 
     async def initialize(self, *args: Any, **kwargs: Any) -> RedisCluster:
         return await _as_redis_error(super().initialize(*args, **kwargs))
@@ -48,21 +52,27 @@ class ClusterClient(RedisCluster):
         return await _as_redis_error(super().execute_command(*args, **kwargs))
 
     async def primary_for(self, slot: int) -> ClusterNode:
-        """The primary that serves *slot*, as the cluster last said."""
+        """The primary that serves *slot*, as the cluster last said (read again first when a
+        move was heard of since: the calls that come meanwhile wait for that one reading)."""
         await self.initialize()
-        if self._slots_stale:
-            self._slots_stale = False
-            await _as_redis_error(self.nodes_manager.initialize())
+        if self._moves_read != self._moves_heard:
+            if self._reading is None:
+                self._reading = asyncio.Lock()
+            async with self._reading:
+                heard = self._moves_heard
+                if self._moves_read != heard:
+                    await _as_redis_error(self.nodes_manager.initialize())
+                    self._moves_read = heard
         try:
             return self.nodes_manager.get_node_from_slot(slot)
         except RedisClusterException as exc:  # not served (a primary failed): read them again
-            self._slots_stale = True
+            self.slots_moved()
             raise ClusterError(str(exc)) from exc
 
     def slots_moved(self) -> None:
         """A node said a slot has moved, or failed: the slots are read again before the next
-        script call."""
-        self._slots_stale = True
+        script call is routed."""
+        self._moves_heard += 1
 
 
 ThrottleRedis = Redis | ClusterClient

@@ -47,7 +47,7 @@ def load_script(name: str) -> str:
 _Call = tuple["Sequence[str]", "Sequence[Any]", "asyncio.Future[Any]"]
 # As redis-py: a call redirected this many times in a row fails.
 MAX_REDIRECTIONS = 16
-# TRYAGAIN: a slot's keys are split between two nodes while it moves, for milliseconds.
+# TRYAGAIN: the call waits this long before it is sent again (as redis-py does).
 TRY_AGAIN_DELAY = 0.05
 
 
@@ -74,12 +74,12 @@ class ClusterLuaScript(_Source):
 
     Redirections are followed here, not by redis-py's cluster client: it sends ``ASKING`` and
     the command on two of its pooled connections, which fails once it has several. A call
-    answered MOVED goes to the slot's new primary, after the slots are read again; one answered
-    ASK (its slot is moving, its keys have gone) goes to the node it names, after ``ASKING`` on
-    the same connection; TRYAGAIN (the keys of a multi-key call are split while their slot
-    moves) waits a moment. Each of these replies means the script did not run. A failed call is
-    not made again (it may have run), but the slots are read again before the next one: a
-    failover may be under way."""
+    answered MOVED goes straight to the node it names (later calls read the slots again first);
+    one answered ASK (its slot is moving, its keys have gone) goes to the node it names, after
+    ``ASKING`` on the same connection; TRYAGAIN (a call with several keys while its slot moves,
+    one of them missing on the node that answers) waits a moment. Each of these replies means
+    the script did not run. A failed call is not made again (it may have run), but the slots
+    are read again before the next one: a failover may be under way."""
 
     def __init__(self, cluster: ClusterClient, name: str) -> None:
         super().__init__(name)
@@ -87,43 +87,43 @@ class ClusterLuaScript(_Source):
         self._on_node: dict[str, LuaScript] = {}
 
     async def __call__(self, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        slot = key_slot(keys[0].encode())
-        asked: tuple[str, int] | None = None
+        like = await self._cluster.primary_for(key_slot(keys[0].encode()))
+        primary = (like.host, int(like.port))  # the slot's primary, as last heard
+        target, asking = primary, False
         for _ in range(MAX_REDIRECTIONS):
-            node = await self._cluster.primary_for(slot)
             try:
-                if asked is not None:
-                    return await self._asking(node, *asked, keys, args)
-                return await self._script_on(node)(keys, args)
-            except MovedError:
+                if asking:
+                    return await self._asking(like, *target, keys, args)
+                return await self._script_at(like, *target)(keys, args)
+            except MovedError as moved:
+                # Straight there; later calls read the slots again first.
                 self._cluster.slots_moved()
-                asked = None
+                primary = (moved.host, moved.port)
+                target, asking = primary, False
             except AskError as ask:
-                asked = (ask.host, int(ask.port))
+                target, asking = (ask.host, ask.port), True
             except TryAgainError:
-                asked = None
+                target, asking = primary, False
                 await asyncio.sleep(TRY_AGAIN_DELAY)
             except (RedisConnectionError, RedisTimeoutError, ClusterDownError):
                 self._cluster.slots_moved()
                 raise
         raise ClusterError(f"{keys[0]!r} redirected {MAX_REDIRECTIONS} times in a row")
 
-    def _script_on(self, node: ClusterNode) -> LuaScript:
-        script = self._on_node.get(node.name)
+    def _script_at(self, like: ClusterNode, host: str, port: int) -> LuaScript:
+        """The script on a connection of its own to the primary at *host*:*port*."""
+        name = f"{host}:{port}"
+        script = self._on_node.get(name)
         if script is None:
-            connection = node.connection_class(**node.connection_kwargs)
-            script = self._on_node[node.name] = LuaScript(connection, self._name)
+            script = self._on_node[name] = LuaScript(_connection_to(like, host, port), self._name)
         return script
 
     async def _asking(
-        self, source: ClusterNode, host: str, port: int, keys: Sequence[str], args: Sequence[Any]
+        self, like: ClusterNode, host: str, port: int, keys: Sequence[str], args: Sequence[Any]
     ) -> Any:
-        """The call on the node an ASK from *source* named, on a connection for it alone (a
-        slot moves rarely), with *source*'s settings: the script loaded, ``ASKING``, and the
-        call, in one pipeline."""
-        connection = source.connection_class(
-            **{**source.connection_kwargs, "host": host, "port": port}
-        )
+        """The call on the node an ASK named, on a connection for it alone (a slot moves
+        rarely): the script loaded, ``ASKING``, and the call, in one pipeline."""
+        connection = _connection_to(like, host, port)
         try:
             await connection.connect()  # type: ignore[no-untyped-call]
             await connection.send_packed_command(
@@ -145,6 +145,14 @@ class ClusterLuaScript(_Source):
     async def aclose(self) -> None:
         for script in self._on_node.values():
             await script.aclose()
+
+
+def _connection_to(like: ClusterNode, host: str, port: int) -> AbstractConnection:
+    """A connection to the node at *host*:*port*, with the settings of the node *like*."""
+    connection: AbstractConnection = like.connection_class(
+        **{**like.connection_kwargs, "host": host, "port": port}
+    )
+    return connection
 
 
 class LuaScript(_Source):
