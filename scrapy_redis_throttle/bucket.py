@@ -84,6 +84,7 @@ PENALTY_SUFFIX = ":penalty"
 RATE_SUFFIX = ":rate"
 QUOTA_SUFFIX = ":quota"
 LOG_SUFFIX = ":log"
+PROBE_SUFFIX = ":probe"
 
 
 def penalty_key(prefix: str, domain: str) -> str:
@@ -239,11 +240,15 @@ class TokenBucket:
         for script in (self._script, self._penalty_script, self._slow_down_script):
             await script.aclose()
 
-    async def probe(self) -> None:
+    async def probe(self, domain: str | None = None) -> None:
         """Run the script as an acquire would, on a bucket of its own that no domain uses and
         that vanishes within a millisecond: it fails where an acquire would fail (Redis down,
-        read-only, out of memory, script lost and not reloadable, ...)."""
+        read-only, out of memory, script lost and not reloadable, ...). With *domain*, the
+        bucket is in that domain's Cluster slot: on the primary its calls go to."""
         probe = Limit(rate=1e6, burst=1, text="probe")
-        await self._script(
-            keys=[tagged_key(self._key_prefix, _PROBE_KEY_TAG)], args=script_args(probe, 1)
+        key = (
+            tagged_key(self._key_prefix, _PROBE_KEY_TAG)
+            if domain is None
+            else bucket_key(self._key_prefix, domain) + PROBE_SUFFIX
         )
+        await self._script(keys=[key], args=script_args(probe, 1))

@@ -214,6 +214,9 @@ class ResilientBucket:
         self.local = LocalBuckets(config.fallback_workers)
         self._prober: asyncio.Task[None] | None = None
         self._openings = 0
+        # The key of the last call that failed: on a Redis Cluster, the probe tries its primary
+        # (another one may answer while it is down).
+        self._failed_key: str | None = None
 
     async def check(self) -> None:
         """PING Redis at start-up, so that an unavailable Redis is reported before the first
@@ -244,9 +247,10 @@ class ResilientBucket:
     async def _call_redis(self, key: str, limit: Limit, cost: float) -> AcquireResult | None:
         openings = self._openings
         result = await self._guarded(
+            key,
             self._bucket.acquire(
                 key, limit, cost, self._config.max_reserve, busy_for=self.local.busy_for(key)
-            )
+            ),
         )
         if result is None:
             return None
@@ -263,7 +267,7 @@ class ResilientBucket:
         if self.breaker.open_for() is not None:
             return None
         return await self._guarded(
-            self._bucket.penalize(key, limit, retry_after, self._config.backoff)
+            key, self._bucket.penalize(key, limit, retry_after, self._config.backoff)
         )
 
     async def slow_down(
@@ -274,14 +278,16 @@ class ResilientBucket:
         adaptive = self._config.adaptive
         if adaptive is None or self.breaker.open_for() is not None:
             return None
-        return await self._guarded(self._bucket.slow_down(key, limit, adaptive, age, hold))
+        return await self._guarded(key, self._bucket.slow_down(key, limit, adaptive, age, hold))
 
-    async def _guarded(self, call: Awaitable[_T]) -> _T | None:
-        """Await a script *call*, counted; None when it failed (the breaker hears of both)."""
+    async def _guarded(self, key: str, call: Awaitable[_T]) -> _T | None:
+        """Await a script *call* for *key*, counted; None when it failed (the breaker hears of
+        both, and the probe then tries where *key* lives)."""
         self._stats.inc_value(f"{STATS_PREFIX}/redis_calls")
         try:
             result = await call
         except RedisError as exc:
+            self._failed_key = key
             self._failed(exc)
             return None
         self._succeeded()
@@ -307,7 +313,7 @@ class ResilientBucket:
                 return
             self._stats.inc_value(f"{STATS_PREFIX}/redis_calls")
             try:
-                await self._bucket.probe()
+                await self._bucket.probe(self._failed_key)
             except RedisError as exc:
                 self._stats.inc_value(f"{STATS_PREFIX}/redis_errors/{type(exc).__name__}")
                 continue

@@ -213,6 +213,34 @@ async def test_script_calls_follow_ask_and_moved_and_run_once(redis_cluster: Loc
     assert moved >= 1
 
 
+@async_test
+async def test_the_probe_of_a_failed_call_goes_to_its_primary(redis_cluster: LocalCluster) -> None:
+    """After a call for A failed, the breaker's probe must ask A's primary: another primary may
+    answer while A's is down, and closing the breaker then would switch back and forth."""
+    primary = redis_cluster.owner(redis_cluster.slot(bucket_key(PREFIX, A)))
+    client = connect(
+        ThrottleConfig.from_settings(
+            Settings({"REDIS_URL": UNUSED_URL, **redis_cluster.settings()})
+        )
+    )
+    bucket = TokenBucket(client, PREFIX)
+    try:
+        for _ in range(3):
+            await bucket.probe(A)
+    finally:
+        await bucket.aclose()
+        await close(client)
+    calls = {
+        node.port: redis_cluster.info(node, "commandstats")
+        .get("cmdstat_evalsha", {})
+        .get("calls", 0)
+        for node in redis_cluster.primaries()
+    }
+    # (The first one's NOSCRIPT counts as a call too.)
+    assert calls.pop(primary.port) >= 3
+    assert set(calls.values()) == {0}, "no other primary was asked"
+
+
 def test_the_tool_works_on_every_node_of_a_cluster(redis_cluster: LocalCluster) -> None:
     """Domains whose keys live on three different primaries: the tool sets and lists them
     all, and its status scans every primary."""
