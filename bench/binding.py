@@ -3,7 +3,7 @@
 Two worker processes crawl three domains of a local site, limited to 20/s, 10/s and 5/s (burst
 1), with requests for ``--seconds`` of each limit queued at once, in three set-ups: waiting
 requests held in the downloader (Scrapy's scheduler), parked in this process
-(``ThrottleScheduler``), parked in Redis for the fleet (``RedisThrottleScheduler``). The throttle
+(Scrapy's scheduler), parked in Redis for the fleet (scrapy-redis's scheduler). The throttle
 has a Redis of its own and scrapy-redis another, so each one's calls are counted apart (INFO
 commandstats, on the server).
 
@@ -35,10 +35,15 @@ from processes import finish_crawl_workers, start_crawl_workers  # noqa: E402
 
 RATES = {"127.0.0.2": 20, "127.0.0.3": 10, "127.0.0.4": 5}
 WORKERS = 2
-SETUPS = {
-    "held (Scrapy's scheduler)": "scrapy.core.scheduler.Scheduler",
-    "parked (ThrottleScheduler)": "scrapy_redis_throttle.ThrottleScheduler",
-    "parked in Redis (RedisThrottleScheduler)": "scrapy_redis_throttle.RedisThrottleScheduler",
+SCRAPY_REDIS = {
+    "SCHEDULER": "scrapy_redis.scheduler.Scheduler",
+    "DUPEFILTER_CLASS": "scrapy_redis.dupefilter.RFPDupeFilter",
+}
+# Each set-up's own settings. Held: no wait is long enough to be parked.
+SETUPS: dict[str, dict[str, Any]] = {
+    "held (Scrapy's scheduler)": {"REDIS_THROTTLE_MAX_HOLD": 1e9},
+    "parked (Scrapy's scheduler)": {},
+    "parked in Redis (scrapy-redis's scheduler)": SCRAPY_REDIS,
 }
 
 
@@ -49,7 +54,7 @@ def script_calls(server: RedisServer) -> int:
 
 
 def crawl(
-    scheduler: str, throttle: RedisServer, queue: RedisServer, seconds: float
+    setup: dict[str, Any], throttle: RedisServer, queue: RedisServer, seconds: float
 ) -> dict[str, Any]:
     for server in (throttle, queue):
         with server.client() as client:
@@ -60,7 +65,6 @@ def crawl(
         urls = [site.url(h, f"/page/{n}") for h, count in counts.items() for n in range(count)]
         settings = {
             "DOWNLOADER_MIDDLEWARES": {"counting_middleware.CountingThrottleMiddleware": 950},
-            "SCHEDULER": scheduler,
             "REDIS_URL": queue.url,
             "REDIS_THROTTLE_URL": throttle.url,
             "REDIS_THROTTLE_RATES": {host: f"{rate}/s" for host, rate in RATES.items()},
@@ -70,9 +74,8 @@ def crawl(
             "TELNETCONSOLE_ENABLED": False,
             "LOG_LEVEL": "INFO",
             "CLOSESPIDER_TIMEOUT": 10 * seconds,
+            **setup,
         }
-        if scheduler == SETUPS["parked in Redis (RedisThrottleScheduler)"]:
-            settings["DUPEFILTER_CLASS"] = "scrapy_redis.dupefilter.RFPDupeFilter"
         jobs = [
             {"settings": settings, "requests": [{"url": url} for url in urls[n::WORKERS]]}
             for n in range(WORKERS)
@@ -106,8 +109,8 @@ async def measure(seconds: float) -> list[dict[str, Any]]:
     )
     rows = []
     with RedisServer() as throttle, RedisServer() as queue:
-        for name, scheduler in SETUPS.items():
-            row = {"setup": name, **crawl(scheduler, throttle, queue, seconds)}
+        for name, setup in SETUPS.items():
+            row = {"setup": name, **crawl(setup, throttle, queue, seconds)}
             print(
                 f"{name:<42} {row['throttle_calls_per_request']:>6.2f} "
                 f"{row['calls_1']:>6.0%} {row['calls_2']:>6.0%} {row['calls_3_or_more']:>6.0%} "

@@ -3,9 +3,10 @@
 For each scenario, the free (unthrottled) domains' completion time is measured alone and with the
 slow domains present, for four ways of being polite to the slow domains:
 
-* holding: the plugin with Scrapy's default scheduler (a waiting request holds a download slot);
-* parking: the plugin with ``SCHEDULER = "scrapy_redis_throttle.ThrottleScheduler"``;
-* parking (redis): the plugin with ``scrapy_redis_throttle.RedisThrottleScheduler``;
+* holding: the plugin with parking off (``REDIS_THROTTLE_MAX_HOLD`` longer than any wait: a
+  waiting request holds a download slot), as 0.1 behaved without its schedulers;
+* parking: the plugin with Scrapy's default scheduler (parked requests wait in the process);
+* parking (redis): the plugin with scrapy-redis's scheduler (parked requests wait in Redis);
 * DOWNLOAD_SLOTS: no plugin, Scrapy's own per-slot delay (per process only).
 
 Scenarios: "1 slow": CONCURRENT_REQUESTS=4, one domain at 1 request / 3 s (8 requests) and 40
@@ -78,10 +79,10 @@ def settings_for(mode: str, scenario: Scenario, redis_url: str) -> dict[str, Any
     settings["DOWNLOADER_MIDDLEWARES"] = {"scrapy_redis_throttle.RedisThrottleMiddleware": 950}
     settings["REDIS_THROTTLE_DEFAULT_RATE"] = "unlimited"
     settings["REDIS_THROTTLE_RATES"] = {h: f"1/{SLOW_INTERVAL:g}s" for h in scenario.slow_hosts}
-    if mode == "parking":
-        settings["SCHEDULER"] = "scrapy_redis_throttle.ThrottleScheduler"
+    if mode == "holding":
+        settings["REDIS_THROTTLE_MAX_HOLD"] = 1e9
     elif mode == "parking (redis)":
-        settings["SCHEDULER"] = "scrapy_redis_throttle.RedisThrottleScheduler"
+        settings["SCHEDULER"] = "scrapy_redis.scheduler.Scheduler"
         settings["DUPEFILTER_CLASS"] = "scrapy_redis.dupefilter.RFPDupeFilter"
     return settings
 

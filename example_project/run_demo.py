@@ -135,7 +135,6 @@ def start_workers(
     settings = {
         "REDIS_URL": redis_url,
         "LOG_LEVEL": "INFO",
-        "REDIS_THROTTLE_FALLBACK_WORKERS": count,
         **run.settings,
     }
     workers = []

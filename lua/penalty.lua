@@ -5,6 +5,7 @@
 --
 -- KEYS[1]  the domain's bucket key
 -- KEYS[2]  the domain's penalty key: a hash {strikes, until}, until in µs like the bucket's time
+-- KEYS[3]  the domain's void key (see voided.lua): what a worker that missed the message reads
 -- ARGV[1]  interval: microseconds per token of the domain's limit, > 0
 -- ARGV[2]  burst of the domain's limit, >= 1
 -- ARGV[3]  retry_after: microseconds the site asked for (Retry-After), >= 0; -1: none given
@@ -58,6 +59,8 @@ else
   end
 end
 pause = math.ceil(math.min(pause, max_pause))
+-- A pause of 0 (Retry-After: 0, or a date already past) still counts, and is published: it
+-- lasts no time, and every expiry below is at least 1 ms (Redis refuses PX 0).
 local new_until = now + pause
 if new_until <= paused_until then
   return {0, paused_until - now, strikes}
@@ -71,6 +74,11 @@ redis.call("PEXPIRE", KEYS[2], math.ceil((pause + decay * strikes) / 1000))
 local tat, live = string.match(redis.call("GET", KEYS[1]) or "", "^(%d*)(.*)$")
 tat = math.max(tonumber(tat) or 0, new_until + (burst - 1) * interval)
 redis.call("SET", KEYS[1], string.format("%d", tat) .. live,
-  unpack(live == "" and {"PX", math.ceil((tat - now) / 1000)} or {}))
+  unpack(live == "" and {"PX", math.max(1, math.ceil((tat - now) / 1000))} or {}))
+-- Kept for the workers that were not subscribed when it was published (see voided.lua).
+local _, voided_until = string.match(redis.call("GET", KEYS[3]) or "", "^(%d+) (%d+)$")
+voided_until = math.max(new_until, tonumber(voided_until) or 0)
+redis.call("SET", KEYS[3], string.format("%d %d", now, voided_until),
+  "PX", math.max(1, math.ceil((voided_until - now) / 1000)))
 redis.call("PUBLISH", ARGV[7], string.format("%d", pause) .. " " .. ARGV[8])
 return {1, pause, strikes}

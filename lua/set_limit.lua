@@ -7,6 +7,7 @@
 --
 -- KEYS[1]  the domain's bucket key
 -- KEYS[2]  the domain's penalty key (see penalty.lua): a pause under way goes on
+-- KEYS[3]  the domain's void key (see voided.lua): what a worker that missed the message reads
 -- ARGV[1]  action: "set" (ARGV[2] and ARGV[3] become the domain's rate and burst), "delete"
 --          (back to the workers' own configuration), "pause" or "resume"
 -- ARGV[2]  rate, requests per second (> 0), or "-": the workers' own
@@ -79,6 +80,11 @@ else
   redis.call("DEL", KEYS[1])
 end
 if void > 0 then
+  -- Kept for the workers that were not subscribed when it was published (see voided.lua).
+  local _, voided_until = string.match(redis.call("GET", KEYS[3]) or "", "^(%d+) (%d+)$")
+  voided_until = math.max(now + void, tonumber(voided_until) or 0)
+  redis.call("SET", KEYS[3], string.format("%d %d", now, voided_until),
+    "PX", math.ceil((voided_until - now) / 1000))
   redis.call("PUBLISH", ARGV[4], string.format("%d", void) .. " " .. ARGV[5])
 end
 return {string.sub(live, 2), void}

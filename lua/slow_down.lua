@@ -13,6 +13,7 @@
 --          per second) at `since`, from when it climbs by `slope` requests per second per µs;
 --          times in µs like the bucket's (see token_bucket.lua). It expires once the rate is
 --          back at the configured one.
+-- KEYS[3]  the domain's void key (see voided.lua): what a worker that missed the message reads
 -- ARGV[1]  the configured rate, requests per second, > 0
 -- ARGV[2]  the floor, requests per second, > 0 (the configured rate when that is lower)
 -- ARGV[3]  decrease: the factor the rate is multiplied by, > 0 and < 1
@@ -82,6 +83,11 @@ tat = math.ceil(now + hold + (burst - 1) * 1000000 / lowered)
 redis.call("SET", KEYS[1], string.format("%d", tat) .. live,
   unpack(live == "" and {"PX", math.max(1, math.ceil((tat - now) / 1000))} or {}))
 if void > 0 then
+  -- Kept for the workers that were not subscribed when it was published (see voided.lua).
+  local _, voided_until = string.match(redis.call("GET", KEYS[3]) or "", "^(%d+) (%d+)$")
+  voided_until = math.max(now + void, tonumber(voided_until) or 0)
+  redis.call("SET", KEYS[3], string.format("%d %d", now, voided_until),
+    "PX", math.ceil((voided_until - now) / 1000))
   redis.call("PUBLISH", ARGV[8], string.format("%d", void) .. " " .. ARGV[9])
 end
 return {1, string.format("%.17g", lowered), lifetime, void}

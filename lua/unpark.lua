@@ -1,6 +1,7 @@
-#!lua
--- The shebang (Redis 7) declares a script that may write: a read-only replica or a Redis out of
--- memory refuses every call up front, not only the calls that happen to write.
+#!lua flags=allow-oom
+-- The shebang (Redis 7) declares a script that may write: a read-only replica refuses every
+-- call up front. It only removes, so a Redis out of memory lets it run, as it lets scrapy-redis
+-- pop its queue: parked requests must not be stuck there while the queue goes on.
 -- Take the requests that are due (or will be within `ahead`) out of the parking set: each one
 -- goes to exactly one caller, since the script runs atomically.
 --

@@ -6,6 +6,10 @@ went in the last minute and those its middleware holds now, to a key of its own 
 when the worker stops reporting. Parked requests may come back to another worker than the one
 that parked them, so they are counted in one hash for the fleet: the worker that parks one adds
 1, the one that takes it back takes 1 away (sent with the reports). The tool adds it all up.
+
+Each worker also counts itself in the fleet (``lua/fleet.lua``) at the same pace, reports or
+not: while Redis fails, the ``"local"`` policy paces each domain at its rate divided by the
+number of workers it saw live last (:attr:`Activity.fleet_size`).
 """
 
 from __future__ import annotations
@@ -19,15 +23,25 @@ import socket
 import time
 import uuid
 from collections import Counter, defaultdict, deque
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from redis.exceptions import RedisError
+from redis.exceptions import (
+    ClusterDownError,
+    MasterDownError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .resilience import STATS_PREFIX, sleep
 from .scripts import lua_script
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
+    from collections.abc import Awaitable, Callable, Iterator
 
     from scrapy.statscollectors import StatsCollector
 
@@ -35,17 +49,40 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# A Redis down, switching over or out of memory: the fleet's size stays as last read, the share
+# an outage is paced with. Any other error refuses the call itself (a user without the rights
+# of fleet.lua, a key of another type): the size is then unknown, and an outage is waited out.
+OUTAGE_ERRORS = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ClusterDownError,
+    TryAgainError,
+    ReadOnlyError,
+    MasterDownError,
+    OutOfMemoryError,
+)
+
 # A report outlives a missed one or two (a busy worker, a Redis hiccup), not a stopped worker.
 REPORTS_KEPT = 3
 RECENT = 60.0
 """The requests that went in this many seconds are counted."""
 # The parked counts of a fleet idle this long vanish (with what a crashed worker left there).
 PARKED_TTL = 3600.0
+# How often a worker counts itself in the fleet when it sends no reports.
+FLEET_INTERVAL = 5.0
+# The first reading of the fleet's size again after the start; then twice as long each time, up
+# to the report interval.
+FIRST_COUNT_DELAY = 0.25
 
 
 def report_pattern(prefix: str) -> str:
     """Matches the key of every worker's report (for SCAN)."""
     return f"{prefix}:worker:*"
+
+
+def fleet_key(prefix: str) -> str:
+    """The sorted set of the fleet's live workers."""
+    return f"{prefix}:fleet"
 
 
 def parked_key(prefix: str) -> str:
@@ -55,7 +92,7 @@ def parked_key(prefix: str) -> str:
 
 class Activity:
     """This worker's requests per throttle key, reported to Redis every *interval* seconds
-    (0: never, and nothing is counted)."""
+    (0: never, and nothing is counted), and its place in the fleet."""
 
     def __init__(
         self,
@@ -68,15 +105,22 @@ class Activity:
         self._redis = redis
         self._interval = interval
         self._stats = stats
-        worker = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self._key = report_pattern(prefix).replace("*", worker)
+        self._worker = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._key = report_pattern(prefix).replace("*", self._worker)
         self._parked_key = parked_key(prefix)
+        self._fleet_key = fleet_key(prefix)
+        self._period = interval or FLEET_INTERVAL
+        self.fleet_size: int | None = None
+        """Workers live in the fleet, this one included, as Redis said last (None: not yet, or
+        Redis refused the call)."""
+        self._fleet_refused = False
         self._log_extra = log_extra
         self._went: defaultdict[str, deque[float]] = defaultdict(deque)
         self._held: Counter[str] = Counter()
         self._parked: Counter[str] = Counter()  # not sent yet
         self._reporter: asyncio.Task[None] | None = None
         self._parked_script = lua_script(redis, "parked.lua")
+        self._fleet_script = lua_script(redis, "fleet.lua")
 
     def went(self, key: str) -> None:
         """A request of *key* left for the download."""
@@ -86,10 +130,17 @@ class Activity:
             times.append(now)
             _forget_before(times, now - RECENT)
 
-    def hold(self, key: str, change: int) -> None:
-        """*change* more (or, negative, fewer) requests of *key* wait in the middleware."""
-        if self._interval:
-            self._held[key] += change
+    @contextmanager
+    def holding(self, key: str) -> Iterator[None]:
+        """A request of *key* waits in the middleware meanwhile."""
+        if not self._interval:
+            yield
+            return
+        self._held[key] += 1
+        try:
+            yield
+        finally:
+            self._held[key] -= 1
             if not self._held[key]:
                 del self._held[key]
 
@@ -108,26 +159,65 @@ class Activity:
         keys = sorted(set(self._went) | set(self._held))
         return {key: [len(self._went.get(key, ())), self._held[key]] for key in keys}
 
-    def start(self) -> None:
-        if self._interval:
-            self._reporter = asyncio.ensure_future(self._report_every_interval())
+    async def start(self) -> None:
+        """Count this worker in the fleet (before the first request, so that the fleet's size
+        is known if Redis fails early), then report every interval."""
+        await self._count_in()
+        self._reporter = asyncio.ensure_future(self._report_every_interval())
 
     async def stop(self) -> None:
         if self._reporter is None:
             return
         self._reporter.cancel()
-        await self._send_parked()
-        # Else it expires. Not delete(): a cluster client sends that through a pipeline, which
-        # redis-py 5 never runs without retries.
-        await self._call(self._redis.execute_command("DEL", self._key))  # type: ignore[no-untyped-call]
+        await self._call(self._fleet_script([self._fleet_key], [self._worker, 0]))
+        if self._interval:
+            await self._send_parked()
+            # Else it expires. Not delete(): a cluster client sends that through a pipeline,
+            # which redis-py 5 never runs without retries.
+            await self._call(self._redis.execute_command("DEL", self._key))  # type: ignore[no-untyped-call]
         await self._parked_script.aclose()
+        await self._fleet_script.aclose()
+
+    async def _count_in(self) -> None:
+        ttl_us = math.ceil(REPORTS_KEPT * self._period * 1e6)
+        try:
+            self.fleet_size = int(
+                await self._fleet_script([self._fleet_key], [self._worker, ttl_us])
+            )
+        except RedisError as exc:
+            self._failed(exc)
+            if not isinstance(exc, OUTAGE_ERRORS):
+                if not self._fleet_refused:
+                    logger.warning(
+                        "Redis throttle: Redis refused to count this worker in the fleet "
+                        "(%s: %s): "
+                        "while Redis fails, its throttled requests will wait, not knowing "
+                        "its share of the rates (see README's ACL rights, or set "
+                        "REDIS_THROTTLE_FALLBACK_WORKERS)",
+                        type(exc).__name__,
+                        exc,
+                        extra=self._log_extra(),
+                    )
+                self._fleet_refused = True
+                self.fleet_size = None
+            return
+        self._fleet_refused = False
+        self._stats.set_value(f"{STATS_PREFIX}/fleet_size", self.fleet_size)
 
     async def _report_every_interval(self) -> None:
         expiry = math.ceil(REPORTS_KEPT * self._interval * 1000)
+        # Soon after the start, the fleet's size is read again at a growing pace: workers
+        # started together each read only those that counted in before them (1, 2, 3, ...),
+        # and an outage in their first interval would be paced with those shares.
+        delay = FIRST_COUNT_DELAY
         while True:
-            await self._call(self._redis.set(self._key, json.dumps(self.report()), px=expiry))
-            await self._send_parked()
-            await sleep(self._interval)
+            if self._interval:
+                report = json.dumps(self.report())
+                await self._call(self._redis.set(self._key, report, px=expiry))
+                await self._send_parked()
+            await sleep(min(delay, self._period))
+            delay *= 2
+            await self._count_in()
 
     async def _send_parked(self) -> None:
         changes = {key: change for key, change in self._parked.items() if change}
@@ -142,11 +232,15 @@ class Activity:
         try:
             await command
         except RedisError as exc:
-            # The throttle logs Redis's failures; a missed report only ages the status.
-            self._stats.inc_value(f"{STATS_PREFIX}/activity_errors/{type(exc).__name__}")
-            logger.debug("Redis throttle: activity report: %r", exc, extra=self._log_extra())
+            self._failed(exc)
             return False
         return True
+
+    def _failed(self, exc: RedisError) -> None:
+        # The throttle logs Redis's failures; a missed report only ages the status, and the
+        # fleet's size stays as last seen.
+        self._stats.inc_value(f"{STATS_PREFIX}/activity_errors/{type(exc).__name__}")
+        logger.debug("Redis throttle: activity report: %r", exc, extra=self._log_extra())
 
 
 def _forget_before(times: deque[float], since: float) -> None:

@@ -13,16 +13,14 @@ MIDDLEWARE_PRIORITY = 950
 
 
 class Addon:
-    """``ADDONS = {"scrapy_redis_throttle.Addon": 500}`` enables the throttle middleware and, unless
-    the project chose a scheduler, :class:`~scrapy_redis_throttle.ThrottleScheduler`.
+    """``ADDONS = {"scrapy_redis_throttle.Addon": 500}`` enables the throttle middleware.
 
     A priority the user already gave the middleware in ``DOWNLOADER_MIDDLEWARES`` (even ``None``,
-    to disable it) is kept, and so is a ``SCHEDULER`` the project set (scrapy-redis users set
-    ``scrapy_redis_throttle.RedisThrottleScheduler`` themselves).
+    to disable it) is kept. Any ``SCHEDULER`` works: the middleware parks the requests that must
+    wait long beside it (see :mod:`scrapy_redis_throttle.parking`).
     """
 
     def update_settings(self, settings: BaseSettings) -> None:
         settings.setdefault_in_component_priority_dict(
             "DOWNLOADER_MIDDLEWARES", RedisThrottleMiddleware, MIDDLEWARE_PRIORITY
         )
-        settings.set("SCHEDULER", "scrapy_redis_throttle.ThrottleScheduler", priority="addon")

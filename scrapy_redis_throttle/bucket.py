@@ -28,7 +28,8 @@ class AcquireResult:
     reset_after: float
     """Seconds until the bucket is full again."""
     paused: bool = False
-    """The domain is paused (set live): the request asks again in ``retry_after`` seconds."""
+    """The domain is paused (set live), or this worker waits for a failed Redis: the request
+    asks again in ``retry_after`` seconds."""
 
 
 # How often the requests of a domain paused live ask whether it was resumed.
@@ -85,6 +86,7 @@ RATE_SUFFIX = ":rate"
 QUOTA_SUFFIX = ":quota"
 LOG_SUFFIX = ":log"
 PROBE_SUFFIX = ":probe"
+VOID_SUFFIX = ":void"
 
 
 def penalty_key(prefix: str, domain: str) -> str:
@@ -95,6 +97,11 @@ def penalty_key(prefix: str, domain: str) -> str:
 def rate_key(prefix: str, domain: str) -> str:
     """The domain's adaptive rate (see ``lua/slow_down.lua``)."""
     return bucket_key(prefix, domain) + RATE_SUFFIX
+
+
+def void_key(prefix: str, domain: str) -> str:
+    """When the domain's reserved moments were last voided (see ``lua/voided.lua``)."""
+    return bucket_key(prefix, domain) + VOID_SUFFIX
 
 
 def penalty_channel(prefix: str) -> str:
@@ -129,6 +136,17 @@ def _fixed_args(limit: Limit, cost: float, reserve: float) -> tuple[bytes, ...]:
 @lru_cache(maxsize=1024)
 def _quota_args(quotas: tuple[Quota, ...]) -> tuple[bytes, ...]:
     return tuple(part.encode() for quota in quotas for part in quota.script_args)
+
+
+@dataclass(frozen=True)
+class Voiding:
+    """The last voiding of a domain's reserved moments, as Redis keeps it for the workers that
+    missed its message (see ``lua/voided.lua``)."""
+
+    age: float
+    """Seconds since it happened: moments reserved before are void..."""
+    left: float
+    """...if they come within this many seconds from now."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +189,7 @@ class TokenBucket:
         self._script = lua_script(redis, "token_bucket.lua")
         self._penalty_script = lua_script(redis, "penalty.lua")
         self._slow_down_script = lua_script(redis, "slow_down.lua")
+        self._voided_script = lua_script(redis, "voided.lua")
 
     async def acquire(
         self, domain: str, limit: Limit, cost: float = 1, reserve: float = 0, busy_for: float = 0
@@ -200,7 +219,11 @@ class TokenBucket:
         """Pause *domain* for every worker: *retry_after* seconds (the site's Retry-After), or
         by *backoff*; publish the pause on :func:`penalty_channel`."""
         changed, pause_us, strikes = await self._penalty_script(
-            keys=[bucket_key(self._key_prefix, domain), penalty_key(self._key_prefix, domain)],
+            keys=[
+                bucket_key(self._key_prefix, domain),
+                penalty_key(self._key_prefix, domain),
+                void_key(self._key_prefix, domain),
+            ],
             args=[
                 repr(limit.interval_us),
                 limit.burst,
@@ -221,7 +244,11 @@ class TokenBucket:
         seconds ago, was sent before the last decrease); it climbs back after *hold* seconds.
         The moments reserved before are void: see ``lua/slow_down.lua``."""
         lowered, rate, back_in_us, void_us = await self._slow_down_script(
-            keys=[bucket_key(self._key_prefix, domain), rate_key(self._key_prefix, domain)],
+            keys=[
+                bucket_key(self._key_prefix, domain),
+                rate_key(self._key_prefix, domain),
+                void_key(self._key_prefix, domain),
+            ],
             args=[
                 repr(limit.rate),
                 repr(adaptive.min_rate),
@@ -236,8 +263,17 @@ class TokenBucket:
         )
         return SlowDown(lowered == 1, float(rate), back_in_us / 1e6, void_us / 1e6)
 
+    async def voided(self, domain: str) -> Voiding | None:
+        """The last voiding of *domain*'s reserved moments that still matters (None: none)."""
+        reply = await self._voided_script(keys=[void_key(self._key_prefix, domain)], args=[])
+        if len(reply) != 2:
+            return None
+        age_us, left_us = reply
+        return Voiding(age_us / 1e6, left_us / 1e6)
+
     async def aclose(self) -> None:
-        for script in (self._script, self._penalty_script, self._slow_down_script):
+        scripts = (self._script, self._penalty_script, self._slow_down_script, self._voided_script)
+        for script in scripts:
             await script.aclose()
 
     async def probe(self, domain: str | None = None) -> None:

@@ -43,7 +43,8 @@ DEFAULT_PENALTY_DECAY = 60.0
 DEFAULT_ADAPTIVE_MIN_RATE = "1/m"
 DEFAULT_ADAPTIVE_DECREASE = 0.5
 DEFAULT_ADAPTIVE_RECOVERY = 600.0
-DEFAULT_FALLBACK_WORKERS = 1
+# REDIS_THROTTLE_FALLBACK_WORKERS: None divides by the number of workers seen live in Redis.
+DEFAULT_FALLBACK_WORKERS = None
 # REDIS_THROTTLE_ON_REDIS_ERROR: what requests do while Redis fails (see resilience.py).
 FALLBACK_LOCAL = "local"
 FALLBACK_OPEN = "open"
@@ -366,6 +367,11 @@ class LimitTable:
             dot = key.find(".", dot + 1)
         return self.default
 
+    def largest_burst(self) -> int:
+        """The largest burst of the limits configured (0: every domain is unlimited)."""
+        limits = [*self.exact.values(), *self.wildcards.values(), self.default]
+        return max((limit.burst for limit in limits if limit is not None), default=0)
+
     def describe(self) -> list[str]:
         def show(limit: Limit | None) -> str:
             return str(limit) if limit else UNLIMITED
@@ -429,6 +435,28 @@ def redact_url(url: str) -> str:
 
 
 @dataclass(frozen=True)
+class CrawlSettings:
+    """Scrapy's own per-process politeness settings, which can fight the shared budget (see
+    :func:`.startup.setup_warnings`)."""
+
+    download_delay: float
+    autothrottle: bool
+    concurrent_requests: int
+    per_domain: int
+    per_ip: int
+
+    @classmethod
+    def from_settings(cls, settings: BaseSettings) -> CrawlSettings:
+        return cls(
+            download_delay=settings.getfloat("DOWNLOAD_DELAY"),
+            autothrottle=settings.getbool("AUTOTHROTTLE_ENABLED"),
+            concurrent_requests=settings.getint("CONCURRENT_REQUESTS"),
+            per_domain=settings.getint("CONCURRENT_REQUESTS_PER_DOMAIN"),
+            per_ip=settings.getint("CONCURRENT_REQUESTS_PER_IP"),
+        )
+
+
+@dataclass(frozen=True)
 class ThrottleConfig:
     limits: LimitTable
     redis_url: str
@@ -444,8 +472,9 @@ class ThrottleConfig:
     """How far ahead a request may reserve its tokens."""
     on_redis_error: str
     """``"local"``, ``"open"`` or ``"wait"``: see :mod:`scrapy_redis_throttle.resilience`."""
-    fallback_workers: int
-    """The ``"local"`` policy paces each domain at its rate divided by this."""
+    fallback_workers: int | None
+    """The ``"local"`` policy paces each domain at its rate divided by this; None: by the
+    number of workers that were live in Redis just before it failed."""
     probe_interval: float
     """Longest time between two probes of a failed Redis."""
     crawl_delay: bool
@@ -517,11 +546,7 @@ class ThrottleConfig:
         sentinel = _sentinel(settings)
         return cls(
             on_redis_error=on_redis_error,
-            fallback_workers=parse_positive_int(
-                _get(settings, "REDIS_THROTTLE_FALLBACK_WORKERS", DEFAULT_FALLBACK_WORKERS),
-                source="REDIS_THROTTLE_FALLBACK_WORKERS",
-                what="the number of workers",
-            ),
+            fallback_workers=_fallback_workers(settings),
             probe_interval=_seconds(
                 settings, "REDIS_THROTTLE_PROBE_INTERVAL", DEFAULT_PROBE_INTERVAL, minimum=0.1
             ),
@@ -554,6 +579,15 @@ class ThrottleConfig:
             cluster=_cluster(settings, redis_url, redis_params, sentinel),
             key_prefix=key_prefix,
         )
+
+
+def _fallback_workers(settings: BaseSettings) -> int | None:
+    value = _get(settings, "REDIS_THROTTLE_FALLBACK_WORKERS", DEFAULT_FALLBACK_WORKERS)
+    if value is None:
+        return None
+    return parse_positive_int(
+        value, source="REDIS_THROTTLE_FALLBACK_WORKERS", what="the number of workers"
+    )
 
 
 def _seconds(settings: BaseSettings, name: str, default: float, minimum: float) -> float:
@@ -667,8 +701,8 @@ def _redis_url(settings: BaseSettings, own_setting: str | None = "REDIS_THROTTLE
 
 def queue_redis_connection(settings: BaseSettings) -> tuple[str, dict[str, Any]]:
     """URL and asyncio client parameters of scrapy-redis's own Redis (its queue), read as
-    ``scrapy_redis.connection.get_redis_from_settings`` reads them: the parking area of
-    :class:`~scrapy_redis_throttle.RedisThrottleScheduler` lives there, with the queue."""
+    ``scrapy_redis.connection.get_redis_from_settings`` reads them: with scrapy-redis's
+    scheduler, the parking area lives there, with the queue (see :mod:`.parking`)."""
     from scrapy_redis import defaults
 
     params = {**defaults.REDIS_PARAMS, **_getdict(settings, "REDIS_PARAMS")}

@@ -195,13 +195,14 @@ async def close(client: ThrottleRedis) -> None:
 
 @asynccontextmanager
 async def pubsub(client: ThrottleRedis) -> AsyncIterator[PubSub]:
-    """A :class:`~redis.asyncio.client.PubSub` of the throttle's Redis, closed on leaving.
+    """A :class:`~redis.asyncio.client.PubSub` of the throttle's Redis, closed on leaving. It
+    passes on the confirmations of subscriptions too: they tell when messages start to come.
 
     On a cluster, it is on a node picked at random: every node of a cluster passes each
     PUBLISH on to the others, and a node that failed is likely left behind on the next try.
     (redis-py's asyncio ``ClusterPubSub`` is newer than the oldest redis-py we support.)"""
     if not isinstance(client, RedisCluster):
-        subscriber = client.pubsub(ignore_subscribe_messages=True)
+        subscriber = client.pubsub()
         try:
             yield subscriber
         finally:

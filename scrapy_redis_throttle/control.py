@@ -21,6 +21,7 @@ from .bucket import (
     penalty_channel,
     penalty_key,
     tagged_key,
+    void_key,
 )
 from .config import ALGORITHM_CODES, TOKEN_BUCKET, Quota, format_rate
 from .scripts import load_script
@@ -142,7 +143,11 @@ class LiveControl:
         quotas: tuple[Quota, ...] = (),
     ) -> Change:
         live, voided_us = self._set_limit(
-            keys=[bucket_key(self._prefix, domain), penalty_key(self._prefix, domain)],
+            keys=[
+                bucket_key(self._prefix, domain),
+                penalty_key(self._prefix, domain),
+                void_key(self._prefix, domain),
+            ],
             args=[
                 action,
                 "-" if rate is None else repr(float(rate)),

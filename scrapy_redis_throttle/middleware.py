@@ -8,8 +8,8 @@ Settings (see README.md for the full reference):
 * ``REDIS_THROTTLE_URL`` / ``REDIS_THROTTLE_PARAMS`` - default to scrapy-redis's ``REDIS_URL`` /
   ``REDIS_PARAMS``
 * ``REDIS_THROTTLE_MAX_HOLD``, ``REDIS_THROTTLE_MAX_RESERVE`` - how long a request may wait here
-  (longer waits are parked when ``SCHEDULER`` is one of :mod:`scrapy_redis_throttle.scheduler`'s)
-  and how far ahead it may reserve its tokens
+  (longer waits are parked: see :mod:`scrapy_redis_throttle.parking`) and how far ahead it may
+  reserve its tokens
 * ``REDIS_THROTTLE_ON_REDIS_ERROR``, ``REDIS_THROTTLE_FALLBACK_WORKERS``,
   ``REDIS_THROTTLE_PROBE_INTERVAL`` - what happens while Redis fails (see
   :mod:`scrapy_redis_throttle.resilience`)
@@ -21,7 +21,7 @@ Settings (see README.md for the full reference):
   for the fleet, lowered on those pauses and on download timeouts, climbing back meanwhile
 * ``REDIS_THROTTLE_CRAWL_DELAY_ENABLED``, ``REDIS_THROTTLE_MAX_CRAWL_DELAY`` - robots.txt
   ``Crawl-delay`` as a host's limit (see :mod:`scrapy_redis_throttle.crawl_delay`)
-* ``REDIS_THROTTLE_KEY_PREFIX``
+* ``REDIS_THROTTLE_KEY_PREFIX``, ``REDIS_THROTTLE_REPORT_INTERVAL``
 
 Request meta keys: ``dont_redis_throttle``, ``redis_throttle_key``, ``redis_throttle_cost``,
 ``redis_throttle_penalty``.
@@ -32,13 +32,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import random
-import time
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from scrapy import exceptions, signals
 from scrapy.utils.asyncio import is_asyncio_available
-from scrapy.utils.misc import load_object
 from twisted.internet.error import TCPTimedOutError
 from twisted.internet.error import TimeoutError as TwistedTimeoutError
 
@@ -52,9 +49,11 @@ from .config import (
 )
 from .connection import close, connect
 from .crawl_delay import CrawlDelays
+from .parking import TICKET_META, ParkingArea, attach, engine_scheduler
 from .penalties import Pauses, parse_retry_after
-from .resilience import STATS_PREFIX, ResilientBucket, sleep
-from .scheduler import PARK_META, RELEASE_AHEAD, RELEASE_META, ParkingScheduler
+from .resilience import STATS_PREFIX, ResilientBucket
+from .startup import describe_setup, setup_warnings
+from .waiting import SENT_META, Turns
 
 if TYPE_CHECKING:
     from scrapy import Request, Spider
@@ -62,16 +61,10 @@ if TYPE_CHECKING:
     from scrapy.http import Response
     from typing_extensions import Self
 
-    from .bucket import AcquireResult
     from .config import Limit
 
 logger = logging.getLogger(__name__)
 
-# A parked request given back later than this after its reserved moment asks for a new one:
-# going that late would squeeze it against the next request's moment.
-LATE_RELEASE = 0.05
-# When the request left for the download (loop time), for the adaptive rate.
-SENT_META = "_redis_throttle_sent_at"
 # Download timeouts: Scrapy's own exception since 2.19, Twisted's before (and TCP connects').
 DOWNLOAD_TIMEOUTS = (
     getattr(exceptions, "DownloadTimeoutError", TwistedTimeoutError),
@@ -92,8 +85,21 @@ class RedisThrottleMiddleware:
         self.crawler = crawler
         self.stats = crawler.stats
         self.redis = connect(self.config)
-        self.budget = ResilientBucket(self.redis, self.config, crawler.stats, self._log_extra)
-        self.parking = issubclass(load_object(crawler.settings["SCHEDULER"]), ParkingScheduler)
+        self.activity = Activity(
+            self.redis,
+            self.config.key_prefix,
+            self.config.report_interval,
+            crawler.stats,
+            self._log_extra,
+        )
+        self.budget = ResilientBucket(
+            self.redis,
+            self.config,
+            crawler.stats,
+            self._log_extra,
+            fleet_size=lambda: self.activity.fleet_size,
+        )
+        self.parking: ParkingArea | None = None
         self.crawl_delays = CrawlDelays(crawler, self.config, self._log_extra)
         self.pauses = Pauses(
             self.redis,
@@ -102,12 +108,8 @@ class RedisThrottleMiddleware:
             self._log_extra,
             forget=self.budget.local.forget,
         )
-        self.activity = Activity(
-            self.redis,
-            self.config.key_prefix,
-            self.config.report_interval,
-            crawler.stats,
-            self._log_extra,
+        self.turns = Turns(
+            self.config, self.budget, self.pauses, self.activity, crawler.stats, self._log_extra
         )
         crawler.signals.connect(self._spider_opened, signal=signals.spider_opened)
         crawler.signals.connect(self._spider_closed, signal=signals.spider_closed)
@@ -117,38 +119,36 @@ class RedisThrottleMiddleware:
         return cls(crawler)
 
     async def _spider_opened(self, spider: Spider) -> None:
-        logger.info(
-            "Redis throttle: shared limits in %s (key prefix %r), %s; if Redis fails, %s:\n  %s",
-            self.config.redis_location,
-            self.config.key_prefix,
-            f"requests that must wait over {self.config.max_hold:g} s are parked in the scheduler"
-            if self.parking
-            else "waiting requests are held in the downloader (set SCHEDULER to "
-            "scrapy_redis_throttle.ThrottleScheduler or RedisThrottleScheduler to park them)",
-            self.budget.describe_policy(),
-            "\n  ".join(self.config.limits.describe()),
-            extra={"spider": spider},
-        )
-        crawl_delay = self.crawl_delays.describe()
-        if crawl_delay is not None:
-            logger.info("Redis throttle: %s", crawl_delay, extra={"spider": spider})
-        adaptive = self.config.adaptive
-        if adaptive is not None:
-            codes = "/".join(map(str, sorted(self.config.penalty_codes)))
-            logger.info(
-                "Redis throttle: adaptive rate: each %sdownload timeout multiplies a domain's "
-                "rate by %g (down to %s); it climbs back to the configured rate within %g s "
-                "without failures",
-                f"pause after a {codes} and each " if codes else "",
-                adaptive.decrease,
-                format_rate(adaptive.min_rate),
-                adaptive.recovery,
-                extra={"spider": spider},
-            )
+        self._attach_parking()
         await self.budget.check()
         # Pauses, decreases of adaptive rates and limits changed live void reservations.
-        self.pauses.start()
-        self.activity.start()
+        await self.pauses.start()
+        # Counts this worker in the fleet before the first request: the "local" policy's share.
+        await self.activity.start()
+        for line in describe_setup(self):
+            logger.info("Redis throttle: %s", line, extra={"spider": spider})
+        for warning in setup_warnings(self.crawler, self.config):
+            logger.warning("Redis throttle: %s", warning, extra={"spider": spider})
+
+    def _attach_parking(self) -> None:
+        scheduler = engine_scheduler(self.crawler)
+        if scheduler is None:  # not Scrapy's engine: requests wait in the downloader
+            logger.warning(
+                "Redis throttle: found no scheduler to park waiting requests beside; they wait "
+                "in the downloader, holding its slots",
+                extra=self._log_extra(),
+            )
+            return
+        try:
+            self.parking = attach(self.crawler, scheduler)
+        except Exception:
+            # Without parking the throttle still works: the rest of the start must happen.
+            logger.exception(
+                "Redis throttle: could not attach the parking area to %s; waiting requests "
+                "wait in the downloader, holding its slots",
+                type(scheduler).__name__,
+                extra=self._log_extra(),
+            )
 
     async def _spider_closed(self, spider: Spider) -> None:
         self.pauses.stop()
@@ -161,87 +161,25 @@ class RedisThrottleMiddleware:
 
     async def process_request(self, request: Request) -> Request | None:
         stats = self.stats
+        may_park, ticket = (
+            (False, None) if self.parking is None else self.parking.handed_out(request)
+        )
         if request.meta.get("dont_redis_throttle"):
             stats.inc_value(f"{STATS_PREFIX}/skipped")
             return None
         key = self._key(request)
-        release = request.meta.pop(RELEASE_META, None)
-        if release is not None:
+        if ticket is not None:
             self.activity.park(key, -1)  # back from the parking area
         limit = self._limit(key)
         if limit is None:
             stats.inc_value(f"{STATS_PREFIX}/unthrottled")
             return None
         cost = self._cost(request, limit)
-        self.activity.hold(key, 1)
-        try:
-            return await self._take_turn(request, key, limit, cost, release)
-        finally:
-            self.activity.hold(key, -1)
-
-    async def _take_turn(
-        self, request: Request, key: str, limit: Limit, cost: float, release: dict[str, Any] | None
-    ) -> Request | None:
-        """Wait until *request* may go (None), or hand it back to be parked (a copy)."""
-        stats = self.stats
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        if release is not None and release["reserved"]:
-            # Back from the parking area: its tokens are reserved for go_at.
-            if release["go_at"] - started >= -LATE_RELEASE:
-                await self.pauses.sleep(key, release["go_at"] - started)
-                if self._may_go(key, release["reserved_at"], release["go_at"]):
-                    self._went(request, key, started, delayed=True)
-                    return None
-            else:
-                stats.inc_value(f"{STATS_PREFIX}/released_late")  # its moment passed: ask again
-        delayed = release is not None
-        while True:
-            grant = await self.budget.acquire(key, limit, cost)
-            reserved_at = time.time()
-            result = grant.result
-            delayed = delayed or grant.waited_for_redis
-            paused = 0.0 if grant.shared else self.pauses.paused_for(key)
-            if paused:
-                # Without Redis no bucket holds the pause back: this worker does.
-                delayed = True
-                await sleep(paused)
-                continue
-            if result.allowed:
-                self._went(request, key, started, delayed)
-                return None
-            if result.paused:
-                stats.inc_value(f"{STATS_PREFIX}/paused_live")
-            if self.parking and result.retry_after > self.config.max_hold:
-                return self._park(request, key, limit, result, reserved_at)
-            if result.paused:
-                why = ", paused live"
-            else:
-                why = "" if grant.shared else ", paced locally while Redis fails"
-            logger.debug(
-                "Redis throttle: %(request)s waits %(delay).3f s for %(key)r (%(limit)s)%(why)s",
-                {
-                    "request": request,
-                    "delay": result.retry_after,
-                    "key": key,
-                    "limit": limit,
-                    "why": why,
-                },
-                extra=self._log_extra(),
-            )
-            delayed = True
-            if result.reserved:
-                moment = loop.time() + result.retry_after
-                await self.pauses.sleep(key, result.retry_after)
-                if self._may_go(key, reserved_at, moment):
-                    self._went(request, key, started, delayed)
-                    return None
-                continue
-            if result.paused:
-                await sleep(result.retry_after)
-                continue
-            # Too far ahead to reserve: come back when it is not.
-            await sleep(result.retry_after - self.config.max_reserve / 2)
+        park = await self.turns.take(request, key, limit, cost, ticket, may_park)
+        if park is None:
+            return None
+        # Back to the engine, which hands it to the parking area (see parking.attach).
+        return request.replace(meta={**request.meta, TICKET_META: park})
 
     async def process_response(self, request: Request, response: Response) -> Response:
         """A response whose status is one of ``REDIS_THROTTLE_PENALTY_HTTP_CODES`` pauses its
@@ -339,57 +277,6 @@ class RedisThrottleMiddleware:
         if not key:
             return None
         return self.crawl_delays.limit(key, self.config.limits.lookup(key))
-
-    def _may_go(self, key: str, reserved_at: float, moment: float) -> bool:
-        """Whether a request may go at the *moment* it reserved at *reserved_at* (see
-        :meth:`.Pauses.voided`): not if a pause, or a change of the rate, voided it since; it
-        must ask Redis again."""
-        if self.pauses.voided(key, reserved_at, moment):
-            self.stats.inc_value(f"{STATS_PREFIX}/paused_reservations")
-            return False
-        return True
-
-    def _went(self, request: Request, key: str, started: float, delayed: bool) -> None:
-        """Count a request that leaves for the download."""
-        stats = self.stats
-        self.activity.went(key)
-        if self.config.adaptive is not None:
-            request.meta[SENT_META] = asyncio.get_running_loop().time()
-        stats.inc_value(f"{STATS_PREFIX}/requests")
-        if not delayed:
-            stats.inc_value(f"{STATS_PREFIX}/allowed_immediately")
-            return
-        waited = asyncio.get_running_loop().time() - started
-        stats.inc_value(f"{STATS_PREFIX}/delayed")
-        total_key = f"{STATS_PREFIX}/wait_time_total"
-        stats.set_value(total_key, stats.get_value(total_key, 0.0) + waited)
-        stats.max_value(f"{STATS_PREFIX}/wait_time_max", waited)
-
-    def _park(
-        self, request: Request, key: str, limit: Limit, result: AcquireResult, reserved_at: float
-    ) -> Request:
-        """Hand the request back to the scheduler, which keeps it out of the downloader until
-        shortly before it may go."""
-        if result.reserved or result.paused:
-            delay = result.retry_after
-        else:
-            # Due when its tokens can be reserved, counting that the scheduler gives it back
-            # RELEASE_AHEAD early (or it would come back too early, again and again); spread
-            # out, so that the requests parked together do not all come back at once.
-            delay = (
-                result.retry_after
-                + RELEASE_AHEAD
-                - self.config.max_reserve * random.uniform(0.5, 1)
-            )
-        logger.debug(
-            "Redis throttle: %(request)s parked for %(delay).3f s for %(key)r (%(limit)s)",
-            {"request": request, "delay": delay, "key": key, "limit": limit},
-            extra=self._log_extra(),
-        )
-        self.stats.inc_value(f"{STATS_PREFIX}/park_requests")
-        self.activity.park(key, 1)
-        park = {"delay": delay, "reserved": result.reserved, "reserved_at": reserved_at}
-        return request.replace(meta={**request.meta, PARK_META: park})
 
     def _key(self, request: Request) -> str:
         key = request.meta.get("redis_throttle_key")

@@ -6,6 +6,12 @@ before it ends, and the pause is published. Every worker listens (:class:`Pauses
 that reserved a moment within the pause, before it was known, wakes and asks Redis again instead
 of going. Decreases of the adaptive rate and limits changed live are published the same way, for
 the moments reserved before them.
+
+Redis delivers a message only to the workers subscribed when it is published: a worker that was
+starting, or whose subscription was down, misses it. The scripts therefore also keep the last
+voiding of each domain in Redis (``lua/voided.lua``), and a request whose moment was reserved
+before this worker's subscription was up reads it before it goes (:meth:`Pauses.knows_voidings`),
+once per domain and subscription: from then on, the channel tells the rest.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ if TYPE_CHECKING:
 
     from scrapy.statscollectors import StatsCollector
 
+    from .bucket import Voiding
     from .connection import ThrottleRedis
 
 logger = logging.getLogger(__name__)
@@ -41,6 +48,17 @@ logger = logging.getLogger(__name__)
 # subscribes again after losing its connection.
 LISTEN_TIMEOUT = 0.5
 RESUBSCRIBE_DELAY = 1.0
+# Wall clocks of the fleet's machines may differ by this much: a moment reserved in another
+# process this soon after this worker subscribed may have been voided before it did.
+CLOCK_MARGIN = 1.0
+# How long the start waits for the first subscription, so that the first requests need not
+# read the pauses they might have missed from Redis.
+FIRST_SUBSCRIPTION_WAIT = 1.0
+# Keys whose voiding was read from Redis, at the most (see Pauses.read).
+READS_KEPT = 10_000
+# A pause heard and ending within this much of one already known is that one (read again from
+# Redis, by another request): it is not kept twice.
+SAME_PAUSE = 0.05
 
 
 def parse_retry_after(value: bytes | None, date: bytes | None) -> float | None:
@@ -89,30 +107,72 @@ class Pauses:
         self._sleepers: dict[str, dict[Deferred[None], float]] = {}
         self._listener: asyncio.Task[None] | None = None
         self._failing = False
+        # Wall time since when this worker hears every message (None: it does not now).
+        self._listening_since: float | None = None
+        # Wall time of the last read of each key's voiding from Redis, while listening.
+        self._read_at: dict[str, float] = {}
+        self._subscribed = asyncio.Event()
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        """Listen, and wait a little for the subscription to be in force."""
+        self._subscribed = asyncio.Event()
         self._listener = asyncio.ensure_future(self._listen())
+        with suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._subscribed.wait(), FIRST_SUBSCRIPTION_WAIT)
 
     def stop(self) -> None:
         # Not awaited, so that the spider's close does not wait for it (as the breaker's probe).
         if self._listener is not None:
             self._listener.cancel()
 
-    def pause(self, key: str, seconds: float) -> None:
-        """Moments of *key* within the next *seconds* that were reserved before now are void
-        (a pause, or moments chosen under a rate that changed): the requests that hold them wake
-        at once (see :meth:`sleep`) and must ask again."""
-        until = asyncio.get_running_loop().time() + seconds
-        self._pauses[key] = [*self._under_way(key), (time.time(), until)]
+    def pause(self, key: str, seconds: float, age: float = 0.0) -> None:
+        """Moments of *key* within the next *seconds* that were reserved before now (or
+        *age* seconds ago) are void (a pause, or moments chosen under a rate that changed): the
+        requests that hold them wake at once (see :meth:`sleep`) and must ask again."""
+        heard, until = time.time() - age, asyncio.get_running_loop().time() + seconds
+        pauses = self._under_way(key)
+        if any(h >= heard - SAME_PAUSE and u >= until - SAME_PAUSE for h, u in pauses):
+            return
+        self._pauses[key] = [*pauses, (heard, until)]
         self._forget(key)
         for sleeper, wake_at in list(self._sleepers.get(key, {}).items()):
             if wake_at <= until:
                 sleeper.cancel()
 
-    def voided(self, key: str, reserved_at: float, moment: float) -> bool:
+    def knows_voidings(self, key: str, reserved_at: float, elsewhere: bool) -> bool:
+        """Whether this worker knows every voiding of *key*'s moments since *reserved_at*
+        (wall time, as :func:`time.time`; *elsewhere*: in another process, whose clock may
+        differ by up to :data:`CLOCK_MARGIN`): it heard every one published since, or it read
+        the last one from Redis (:meth:`read`) while listening, and heard those after. Else a
+        request that reserved its moment then must read it before it goes."""
+        since = self._listening_since
+        if since is None:
+            return False
+        if reserved_at >= since + (CLOCK_MARGIN if elsewhere else 0):
+            return True
+        read_at = self._read_at.get(key)
+        return read_at is not None and read_at >= since
+
+    def read(self, key: str, voiding: Voiding | None, read_at: float) -> None:
+        """The last voiding of *key* read from Redis (:meth:`.TokenBucket.voided`), asked for
+        at *read_at* (wall time): moments it voids are void (see :meth:`pause`)."""
+        if voiding is not None:
+            self.pause(key, voiding.left, age=voiding.age)
+        since = self._listening_since
+        if since is not None and read_at >= since:
+            if len(self._read_at) >= READS_KEPT:
+                self._read_at.clear()  # bounded: a key forgotten is only read once more
+            self._read_at[key] = read_at
+
+    def voided(self, key: str, reserved_at: float, moment: float, elsewhere: bool = False) -> bool:
         """Whether a moment (loop time) reserved for *key* at *reserved_at* (wall time, as
-        :func:`time.time`: a parked request may have reserved it in another process) is void."""
-        return any(heard > reserved_at and moment <= until for heard, until in self._under_way(key))
+        :func:`time.time`; *elsewhere*: in another process, a parked request, whose clock may
+        differ from this one's by up to :data:`CLOCK_MARGIN`) is void."""
+        margin = CLOCK_MARGIN if elsewhere else 0.0
+        return any(
+            heard + margin > reserved_at and moment <= until
+            for heard, until in self._under_way(key)
+        )
 
     def paused_for(self, key: str) -> float:
         """Seconds until *key*'s pauses end (0: none), for a worker that paces alone."""
@@ -149,12 +209,21 @@ class Pauses:
             try:
                 async with pubsub(self._redis) as subscriber:
                     await subscriber.subscribe(self._channel)
-                    self._failing = False
                     while True:
                         message = await subscriber.get_message(timeout=LISTEN_TIMEOUT)
-                        if message is not None:
+                        if message is None:
+                            continue
+                        if message["type"] == "subscribe":
+                            # Every message published from now on reaches this worker: Redis
+                            # confirms a subscription once it is in force.
+                            self._listening_since = time.time()
+                            self._read_at.clear()  # read before: not valid any more
+                            self._subscribed.set()
+                            self._failing = False
+                        elif message["type"] == "message":
                             self._received(message["data"])
             except (RedisError, OSError) as exc:
+                self._listening_since = None
                 self._listen_failed(exc)
                 await sleep(RESUBSCRIBE_DELAY)
 

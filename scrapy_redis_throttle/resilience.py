@@ -7,8 +7,11 @@ A probe in the background does, after a delay that doubles up to
 domain's tokens: a request's own acquire would be granted without what the fallback gave out
 while the probe was under way. Meanwhile ``REDIS_THROTTLE_ON_REDIS_ERROR`` decides:
 
-* ``"local"`` (default): each domain is paced in this process, at its rate divided by
-  ``REDIS_THROTTLE_FALLBACK_WORKERS``, starting where the shared bucket was last seen;
+* ``"local"`` (default): each domain is paced in this process, at its rate (and burst)
+  divided by the number of workers that were live in Redis just before it failed (see
+  :attr:`.Activity.fleet_size`; ``REDIS_THROTTLE_FALLBACK_WORKERS`` overrides it), starting
+  where the shared bucket was last seen, so that the fleet together keeps the limit. A worker
+  that never reached Redis does not know the fleet's size: its requests wait for Redis;
 * ``"open"``: requests go unthrottled;
 * ``"wait"``: requests wait until Redis answers again.
 
@@ -37,7 +40,7 @@ if TYPE_CHECKING:
 
     from scrapy.statscollectors import StatsCollector
 
-    from .bucket import Penalty, SlowDown
+    from .bucket import Penalty, SlowDown, Voiding
     from .config import Limit, ThrottleConfig
     from .connection import ThrottleRedis
 
@@ -53,6 +56,11 @@ FIRST_PROBE_DELAY = 0.5
 LOCAL_PRUNE_SIZE = 10_000
 
 _ALLOWED = AcquireResult(allowed=True, reserved=False, tokens_left=0, retry_after=0, reset_after=0)
+
+
+def _later(seconds: float) -> AcquireResult:
+    """Nothing reserved: ask again in *seconds* (held or parked meanwhile)."""
+    return AcquireResult(False, False, 0.0, seconds, 0.0, paused=True)
 
 
 async def sleep(seconds: float) -> None:
@@ -121,7 +129,8 @@ class CircuitBreaker:
 
 class LocalBuckets:
     """Per-domain buckets in this process, for the ``"local"`` policy: the same algorithm as
-    ``token_bucket.lua`` (GCRA), on the monotonic clock, at the rate divided by *workers*.
+    ``token_bucket.lua`` (GCRA), on the monotonic clock, at the rate and the burst divided by
+    the fleet's size (the *workers* passed to :meth:`acquire`).
 
     While Redis answers, :meth:`follow` records when each domain's shared bucket is full again;
     a fallback starts from there, so that tokens reserved in Redis before the outage are not
@@ -131,8 +140,7 @@ class LocalBuckets:
     requests of replies that came late are not squeezed by those of replies that came fast.
     """
 
-    def __init__(self, workers: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self._workers = workers
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._full_at: dict[str, float] = {}  # GCRA's "theoretical arrival time"
         self._prune_size = LOCAL_PRUNE_SIZE
@@ -145,6 +153,12 @@ class LocalBuckets:
         self._full_at[domain] = max(self._full_at.get(domain, now), now + shared.reset_after)
         self._prune(now)
 
+    def snapshot(self) -> LocalBuckets:
+        """A copy of these buckets as they are now, which goes its own way from here."""
+        copy = LocalBuckets(self._clock)
+        copy._full_at = dict(self._full_at)
+        return copy
+
     def forget(self, domain: str) -> None:
         """Redis emptied *domain*'s bucket (a limit changed, the moments reserved are void):
         what this process saw of it must not be sent back as :meth:`busy_for`."""
@@ -154,17 +168,23 @@ class LocalBuckets:
         full_at = self._full_at.get(domain)
         return 0.0 if full_at is None else max(0.0, full_at - self._clock())
 
-    def acquire(self, domain: str, limit: Limit, cost: float, reserve: float) -> AcquireResult:
+    def acquire(
+        self, domain: str, limit: Limit, cost: float, reserve: float, workers: int
+    ) -> AcquireResult:
+        """Take *cost* tokens of *domain*'s share of *limit* in a fleet of *workers*."""
         now = self._clock()
-        interval = self._workers / limit.rate
+        interval = workers / limit.rate
+        # Each worker's share of the burst, so that the fleet's first moments after a switch
+        # hold one burst, not one per worker; a request always fits.
+        burst = max(cost, limit.burst / workers)
         full_at = max(self._full_at.get(domain, now), now)
         new_full_at = full_at + cost * interval
-        wait = max(0.0, new_full_at - limit.burst * interval - now)
+        wait = max(0.0, new_full_at - burst * interval - now)
         if wait > reserve:
             return AcquireResult(
                 allowed=False,
                 reserved=False,
-                tokens_left=max(0.0, limit.burst - (full_at - now) / interval),
+                tokens_left=max(0.0, burst - (full_at - now) / interval),
                 retry_after=wait,
                 reset_after=full_at - now,
             )
@@ -173,7 +193,7 @@ class LocalBuckets:
         return AcquireResult(
             allowed=wait == 0,
             reserved=wait > 0,
-            tokens_left=max(0.0, limit.burst - (new_full_at - now) / interval),
+            tokens_left=max(0.0, burst - (new_full_at - now) / interval),
             retry_after=wait,
             reset_after=new_full_at - now,
         )
@@ -204,6 +224,7 @@ class ResilientBucket:
         config: ThrottleConfig,
         stats: StatsCollector,
         log_extra: Callable[[], dict[str, Any]],
+        fleet_size: Callable[[], int | None] = lambda: None,
     ) -> None:
         self._redis = redis
         self._bucket = TokenBucket(redis, config.key_prefix, adaptive=config.adaptive is not None)
@@ -211,9 +232,15 @@ class ResilientBucket:
         self._stats = stats
         self._log_extra = log_extra
         self.breaker = CircuitBreaker(FIRST_PROBE_DELAY, config.probe_interval)
-        self.local = LocalBuckets(config.fallback_workers)
+        self.local = LocalBuckets()
+        self._fleet_size = fleet_size
         self._prober: asyncio.Task[None] | None = None
         self._openings = 0
+        # Until then (monotonic clock), after an outage, requests also keep to this worker's
+        # share, in buckets of their own: the other workers may still pace alone (see
+        # _handover_wait).
+        self._handover_until = 0.0
+        self._handover = LocalBuckets()
         # The key of the last call that failed: on a Redis Cluster, the probe tries its primary
         # (another one may answer while it is down).
         self._failed_key: str | None = None
@@ -230,17 +257,29 @@ class ResilientBucket:
         waited = False
         while True:
             if self.breaker.open_for() is None:
+                share = self._handover_wait(key, limit, cost)
+                if share:
+                    return Grant(_later(share), shared=False)
                 result = await self._call_redis(key, limit, cost)
                 if result is not None:
                     return Grant(result, shared=True, waited_for_redis=waited)
             policy = self._config.on_redis_error
-            if policy == FALLBACK_LOCAL:
+            workers = self.workers()
+            if policy == FALLBACK_LOCAL and workers is not None:
                 self._stats.inc_value(f"{STATS_PREFIX}/fallback/local")
-                result = self.local.acquire(key, limit, cost, self._config.max_reserve)
+                reserve = self._config.max_reserve
+                result = self.local.acquire(key, limit, cost, reserve, workers)
                 return Grant(result, shared=False)
             if policy == FALLBACK_OPEN:
                 self._stats.inc_value(f"{STATS_PREFIX}/fallback/open")
                 return Grant(_ALLOWED, shared=False)
+            if policy == FALLBACK_LOCAL:
+                # The fleet's size is not known, nor this worker's share: it sends nothing
+                # until Redis answers, and asks again after the longest probe delay (parked
+                # meanwhile when that is over REDIS_THROTTLE_MAX_HOLD, as by default, so that
+                # it holds no download slot and a close is not delayed).
+                self._stats.inc_value(f"{STATS_PREFIX}/fallback/unknown_fleet")
+                return Grant(_later(self._config.probe_interval), shared=False)
             waited = True
             await self.breaker.wait_closed()
 
@@ -261,6 +300,39 @@ class ResilientBucket:
             # fallback's pace instead (its tokens in Redis stay spent: on the polite side).
             return None
         return result
+
+    def _handover_wait(self, key: str, limit: Limit, cost: float) -> float:
+        """Right after an outage, how long a request must wait for this worker's share (0: it
+        may ask Redis now, and its share is taken). Redis is back for this worker, but another
+        one may not have noticed yet (its next probe may be up to
+        REDIS_THROTTLE_PROBE_INTERVAL away) and still paces alone at its share, unknown to
+        Redis: keeping to its own share meanwhile, this one leaves the other's to it, and
+        together they stay within the rate. The share's buckets are this worker's alone:
+        neither told to Redis nor following it, so that they hold back no other worker."""
+        workers = self.workers()
+        if workers is None or time.monotonic() >= self._handover_until:
+            return 0.0
+        share = self._handover.acquire(key, limit, cost, 0.0, workers)
+        if share.allowed:
+            return 0.0
+        self._stats.inc_value(f"{STATS_PREFIX}/handover_waits")
+        return share.retry_after
+
+    def workers(self) -> int | None:
+        """The ``"local"`` policy's divisor: the setting, else the fleet's size as last seen."""
+        return self._config.fallback_workers or self._fleet_size()
+
+    async def voided(self, key: str) -> tuple[bool, Voiding | None]:
+        """Whether Redis could tell, and the last voiding of *key*'s reserved moments (see
+        :meth:`.TokenBucket.voided`)."""
+        if self.breaker.open_for() is not None:
+            return False, None
+        reply = await self._guarded(key, self._voided(key))
+        return (False, None) if reply is None else (True, reply[0])
+
+    async def _voided(self, key: str) -> tuple[Voiding | None]:
+        # In a tuple: None is an answer here, and _guarded's word for a failed call.
+        return (await self._bucket.voided(key),)
 
     async def penalize(self, key: str, limit: Limit, retry_after: float | None) -> Penalty | None:
         """Pause *key* for the fleet (see :mod:`.penalties`); None when Redis could not be told."""
@@ -304,6 +376,10 @@ class ResilientBucket:
     def _succeeded(self) -> None:
         outage = self.breaker.succeeded()
         if outage is not None:
+            if self._config.on_redis_error == FALLBACK_LOCAL:
+                self._handover_until = time.monotonic() + self._config.probe_interval
+                # Each share goes on from where this worker's pace alone was: no new burst.
+                self._handover = self.local.snapshot()
             self._came_back(outage)
 
     async def _probe_until_back(self) -> None:
@@ -323,9 +399,20 @@ class ResilientBucket:
         """What requests do while Redis fails, for the logs."""
         policy = self._config.on_redis_error
         if policy == FALLBACK_LOCAL:
+            if self._config.fallback_workers is not None:
+                return (
+                    f"each domain is paced in this process at 1/{self._config.fallback_workers} "
+                    f"of its rate (REDIS_THROTTLE_FALLBACK_WORKERS) until it is back"
+                )
+            workers = self._fleet_size()
+            if workers is None:
+                return (
+                    "throttled requests wait until it is back (this worker has not seen the "
+                    "fleet's size, so it knows no share of the rates to pace alone)"
+                )
             return (
-                f"each domain is paced in this process at 1/{self._config.fallback_workers} of "
-                f"its rate (REDIS_THROTTLE_FALLBACK_WORKERS) until it is back"
+                f"each domain is paced in this process at 1/{workers} of its rate (the "
+                f"{workers} worker{'s' if workers != 1 else ''} last seen live) until it is back"
             )
         if policy == FALLBACK_OPEN:
             return "requests go unthrottled until it is back"

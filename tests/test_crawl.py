@@ -258,6 +258,66 @@ async def test_wait_policy_holds_requests_until_redis_is_back(
 
 
 @async_test
+async def test_a_worker_that_never_saw_the_fleet_sends_nothing_until_redis_is_back(
+    own_redis: RedisServer, site: DemoSite
+) -> None:
+    """Redis is down when the worker starts: it cannot know its share of the rates (the fleet's
+    size), so under the default "local" policy it sends no throttled request until Redis is
+    back; its requests are parked meanwhile (no download slot held), then go at the rate."""
+    own_redis.stop()
+    # Probes every 2 s at most: longer than REDIS_THROTTLE_MAX_HOLD, so requests are parked.
+    runner = CrawlerRunner(crawl_settings(own_redis.url, REDIS_THROTTLE_PROBE_INTERVAL=2))
+    crawler = runner.create_crawler(UrlListSpider)
+    crawl = runner.crawl(crawler, requests=pages(site, A, 10), redis_throttle_rates={A: "10/s"})
+    stats = crawler.stats
+    assert stats is not None
+    await wait_until_async(
+        lambda: stats.get_value("redis_throttle/fallback/unknown_fleet", 0) >= 10,
+        "every request to find the fleet's size unknown",
+    )
+    restarted = time.monotonic()
+    own_redis.start()
+    await maybe_deferred_to_future(crawl)
+
+    assert [a.time for a in site.arrivals(A) if a.time < restarted] == []
+    assert sorted(a.path for a in site.arrivals(A)) == sorted(f"/page/{n}" for n in range(10))
+    assert_paced(times(site, A), rate=10, burst=1, what=A)
+    assert stats.get_value("redis_throttle/park_requests") >= 10, "parked, not held"
+    assert stats.get_value("redis_throttle/fallback/local", 0) == 0
+
+
+@async_test
+async def test_the_start_up_says_what_the_set_up_does_and_warns_of_settings_that_fight_it(
+    redis_server: RedisServer, site: DemoSite, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Scrapy's project template sets DOWNLOAD_DELAY = 1 and CONCURRENT_REQUESTS_PER_DOMAIN = 1:
+    each per-process setting that fights the shared budget is named in a warning."""
+    caplog.set_level(logging.INFO, logger="scrapy_redis_throttle")
+    settings = crawl_settings(
+        redis_server.url,
+        DOWNLOAD_DELAY=0.01,
+        AUTOTHROTTLE_ENABLED=True,
+        CONCURRENT_REQUESTS_PER_DOMAIN=1,
+    )
+    await run_crawl(settings, pages(site, A, 1), redis_throttle_rates={A: {"rate": 5, "burst": 3}})
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("scrapy_redis")]
+    [summary] = [m for m in messages if "one budget per domain shared in" in m]
+    assert "requests that must wait over 1 s are parked in this process" in summary
+    assert "a 429/503 pauses its domain for every worker" in summary
+    assert "paced in this process at 1/1 of its rate (the 1 worker last seen live)" in summary
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 3, warnings
+    assert "DOWNLOAD_DELAY = 0.01" in warnings[0]
+    assert "set DOWNLOAD_DELAY = 0" in warnings[0]
+    assert "set AUTOTHROTTLE_ENABLED = False" in warnings[1]
+    assert "CONCURRENT_REQUESTS_PER_DOMAIN = 1 is below the largest burst" in warnings[2]
+
+    caplog.clear()
+    await run_crawl(crawl_settings(redis_server.url), pages(site, A, 1))
+    assert [r for r in caplog.records if r.levelno == logging.WARNING] == [], "no fight: silent"
+
+
+@async_test
 async def test_redis_params_reach_the_connection(site: DemoSite) -> None:
     with RedisServer(password="s3cret") as server:
         crawler = await run_crawl(
@@ -284,12 +344,13 @@ async def test_start_up_log_and_delay_debug_lines(
     messages = [
         r.getMessage() for r in caplog.records if r.name.startswith("scrapy_redis_throttle")
     ]
-    start = next(m for m in messages if m.startswith("Redis throttle: shared limits"))
+    start = next(m for m in messages if m.startswith("Redis throttle: one budget per domain"))
     assert redis_server.url in start
-    assert f"{A}: 20/s (burst 1)" in start
-    assert "*.cdn.example: 1/m (burst 5)" in start
-    assert "other domains: 1/s (burst 1)" in start
     assert "if Redis fails, each domain is paced in this process at 1/1 of its rate" in start
+    limits = next(m for m in messages if m.startswith("Redis throttle: limits:"))
+    assert f"{A}: 20/s (burst 1)" in limits
+    assert "*.cdn.example: 1/m (burst 5)" in limits
+    assert "other domains: 1/s (burst 1)" in limits
     delays = [m for m in messages if " waits " in m]
     assert len(delays) == 1
     assert "/page/1> waits 0.0" in delays[0] or "/page/0> waits 0.0" in delays[0]
@@ -340,7 +401,7 @@ def test_addon_adds_the_middleware_without_overriding_the_user() -> None:
 
     settings = with_addon()
     assert settings.getdict("DOWNLOADER_MIDDLEWARES") == {RedisThrottleMiddleware: 950}
-    assert settings["SCHEDULER"] == "scrapy_redis_throttle.ThrottleScheduler"
+    assert settings["SCHEDULER"] == "scrapy.core.scheduler.Scheduler", "any scheduler parks"
     settings = with_addon(
         DOWNLOADER_MIDDLEWARES={"scrapy_redis_throttle.RedisThrottleMiddleware": 123},
         SCHEDULER="scrapy_redis.scheduler.Scheduler",

@@ -154,6 +154,8 @@ async def test_scrapy_redis_queue_is_not_touched_by_a_throttle_outage(
             SCHEDULER="scrapy_redis_throttle.RedisThrottleScheduler",
             DUPEFILTER_CLASS="scrapy_redis.dupefilter.RFPDupeFilter",
             REDIS_THROTTLE_URL=throttle_redis.url,
+            # One worker alone: it paces locally though it never read the fleet's size.
+            REDIS_THROTTLE_FALLBACK_WORKERS=1,
         )
         throttle_redis.stop()
         crawler = await run_crawl(

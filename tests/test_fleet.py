@@ -26,7 +26,7 @@ from support import ARRIVAL_JITTER, achieved_rate, assert_paced, wait_until
 
 from scrapy_redis_throttle import Limit
 from scrapy_redis_throttle.config import DEFAULT_MAX_HOLD
-from scrapy_redis_throttle.scheduler import RELEASE_AHEAD
+from scrapy_redis_throttle.parking import RELEASE_AHEAD
 
 WORKERS = 3
 # The example spider's limits: 4/s; 2/s with a burst of 3 and at most 15 in any 10.1 s (a

@@ -29,7 +29,13 @@ from support import (
     wait_until_async,
 )
 
-from scrapy_redis_throttle.bucket import bucket_key, penalty_channel, penalty_key, rate_key
+from scrapy_redis_throttle.bucket import (
+    bucket_key,
+    penalty_channel,
+    penalty_key,
+    rate_key,
+    void_key,
+)
 from scrapy_redis_throttle.cli import EXIT_BAD_INPUT, EXIT_REDIS_FAILED
 from scrapy_redis_throttle.control import LiveControl, LiveLimit
 from scrapy_redis_throttle.scripts import load_script
@@ -37,6 +43,7 @@ from scrapy_redis_throttle.scripts import load_script
 A, B, _ = HOSTS
 KEY = bucket_key("ns", "shop.example")
 PENALTY = penalty_key("ns", "shop.example")
+VOID = void_key("ns", "shop.example")
 TEN_PER_SECOND = ["100000", "1", "1", "10000000"]  # interval µs, burst, cost, reserve µs
 
 
@@ -125,7 +132,7 @@ def test_a_change_voids_the_moments_reserved_and_publishes_it(scripts: Scripts) 
 def test_a_change_keeps_a_pause_after_a_429(scripts: Scripts) -> None:
     # A 429 with Retry-After: 5 paused the domain (penalty.lua, at 10/s, burst 1).
     scripts.penalty(
-        keys=[KEY, PENALTY],
+        keys=[KEY, PENALTY, VOID],
         args=["100000", "1", "5000000", "2000000", "600000000", "60000000", "ch", "shop.example"],
     )
     scripts.control.set("shop.example", 20, 1)
@@ -137,14 +144,14 @@ def test_a_change_keeps_a_pause_after_a_429(scripts: Scripts) -> None:
 def test_pauses_and_slowdowns_keep_the_live_limit(scripts: Scripts) -> None:
     scripts.control.set("shop.example", 4, 1)
     scripts.penalty(
-        keys=[KEY, PENALTY],
+        keys=[KEY, PENALTY, VOID],
         args=["100000", "1", "1000000", "2000000", "600000000", "60000000", "ch", "shop.example"],
     )
     assert scripts.value().endswith(b" 4.0 1 0")
     assert scripts.client.ttl(KEY) == -1
     # The adaptive rate halves the live rate (4/s), not the workers' own (10/s).
     lowered, rate, _, _ = scripts.slow_down(
-        keys=[KEY, rate_key("ns", "shop.example")],
+        keys=[KEY, rate_key("ns", "shop.example"), VOID],
         args=["10", "1", "0.5", "3600000000", "0", "0", "1", "ch", "shop.example"],
     )
     assert (lowered, float(rate)) == (1, 2.0)

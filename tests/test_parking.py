@@ -1,4 +1,5 @@
-"""Parking: requests that must wait long leave the downloader, so slow domains starve no one."""
+"""Parking: requests that must wait long leave the downloader, so slow domains starve no one,
+whatever the scheduler (Scrapy's, scrapy-redis's, a subclass of either, or this package's)."""
 
 from __future__ import annotations
 
@@ -10,20 +11,38 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from demo_site import HOSTS, DemoSite
 from local_redis import RedisServer
+from scrapy_redis.scheduler import Scheduler as ScrapyRedisScheduler
 from support import achieved_rate, assert_paced, async_test, crawl_settings, run_crawl
 
-from scrapy_redis_throttle.scheduler import PARK_META
+from scrapy_redis_throttle.parking import TICKET_META
+from scrapy_redis_throttle.scripts import load_script
 
 SLOW, FREE, _ = HOSTS
 SCRAPY_REDIS = {
-    "SCHEDULER": "scrapy_redis_throttle.RedisThrottleScheduler",
+    "SCHEDULER": "scrapy_redis.scheduler.Scheduler",
     "DUPEFILTER_CLASS": "scrapy_redis.dupefilter.RFPDupeFilter",
 }
+
+
+class SubclassedScheduler(ScrapyRedisScheduler):  # type: ignore[misc]
+    """A project's own scheduler."""
+
+    def next_request(self) -> Any:
+        return super().next_request()
+
+
 SCHEDULERS = {
-    "scrapy": {"SCHEDULER": "scrapy_redis_throttle.ThrottleScheduler"},
+    "scrapy": {"SCHEDULER": "scrapy.core.scheduler.Scheduler"},
+    "scrapy-0.1-alias": {"SCHEDULER": "scrapy_redis_throttle.ThrottleScheduler"},
     "scrapy-redis-priority": SCRAPY_REDIS,
+    "scrapy-redis-0.1-alias": {
+        **SCRAPY_REDIS,
+        "SCHEDULER": "scrapy_redis_throttle.RedisThrottleScheduler",
+    },
+    "scrapy-redis-subclass": {**SCRAPY_REDIS, "SCHEDULER": f"{__name__}.SubclassedScheduler"},
     "scrapy-redis-fifo": {**SCRAPY_REDIS, "SCHEDULER_QUEUE_CLASS": "scrapy_redis.queue.FifoQueue"},
     "scrapy-redis-lifo": {**SCRAPY_REDIS, "SCHEDULER_QUEUE_CLASS": "scrapy_redis.queue.LifoQueue"},
 }
@@ -91,7 +110,8 @@ async def test_redis_parked_requests_survive_the_close_for_the_next_run(
         assert {r["url"] for r in parked} | {site.url(SLOW, site.arrivals(SLOW)[0].path)} == {
             site.url(SLOW, f"/page/{n}") for n in range(3)
         }
-        assert all(PARK_META in r["meta"] for r in parked)
+        assert all(r["meta"][TICKET_META][0] is True for r in parked), "reserved, in the meta"
+        assert all(len(r["meta"][TICKET_META]) == 5 for r in parked)
         assert any(
             "2 parked requests are kept for the next run" in r.getMessage() for r in caplog.records
         )
@@ -147,3 +167,21 @@ async def test_jobdir_keeps_parked_requests_for_the_next_run(
 
     await run_crawl(settings, [], redis_throttle_rates={SLOW: "2/s"})
     assert sorted(a.path for a in site.arrivals(SLOW)) == [f"/page/{n}" for n in range(3)]
+
+
+def test_parked_requests_come_back_from_a_redis_out_of_memory(redis_server: RedisServer) -> None:
+    """unpark.lua only removes: a Redis out of memory (noeviction) still lets it run, as it
+    lets scrapy-redis pop its queue, while it refuses new parks."""
+    key = "shop:requests:parked"
+    with redis_server.client() as client:
+        assert client.eval(load_script("park.lua"), 1, key, "0", b"request") == 1
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", "1")  # below what is used already: out of memory
+        try:
+            with pytest.raises(redis.exceptions.OutOfMemoryError):
+                client.eval(load_script("park.lua"), 1, key, "0", b"another")
+            reply = client.eval(load_script("unpark.lua"), 1, key, "0", "10")
+        finally:
+            client.config_set("maxmemory", "0")
+    assert reply[0] == 0, "none left"
+    assert reply[2] == b"request"

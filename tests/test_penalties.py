@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import Counter
+from typing import Any
 
 import pytest
 import redis
 from demo_site import HOSTS, DemoSite
 from local_redis import RedisServer
 from redis_topologies import Topology, throttle_settings
-from scrapy.crawler import CrawlerRunner
+from scrapy.crawler import Crawler, CrawlerRunner
 from scrapy.settings import Settings
+from scrapy.statscollectors import MemoryStatsCollector
 from scrapy.utils.defer import maybe_deferred_to_future
+from scrapy.utils.test import get_crawler
 from spiders import UrlListSpider
 from support import (
     assert_paced,
     async_test,
     crawl_settings,
+    documented_acl_rules,
     finish_crawl_workers,
     one_domain_jobs,
     pages,
@@ -31,13 +36,14 @@ from support import (
 
 from scrapy_redis_throttle.bucket import (
     TokenBucket,
+    Voiding,
     bucket_key,
     penalty_channel,
     penalty_key,
 )
 from scrapy_redis_throttle.config import Backoff, Limit, ThrottleConfig
 from scrapy_redis_throttle.connection import close, connect
-from scrapy_redis_throttle.penalties import parse_retry_after
+from scrapy_redis_throttle.penalties import Pauses, parse_retry_after
 
 A, B, C = HOSTS
 LIMIT = Limit(5, 2, "5/s")
@@ -103,6 +109,21 @@ async def test_answers_to_requests_sent_before_the_pause_do_not_add_to_it(
         assert 2.99 < longer.pause <= 3.0
         capped = await bucket.penalize("shop.example", LIMIT, 10_000.0, BACKOFF)
         assert 599 < capped.pause <= 600, "REDIS_THROTTLE_MAX_PAUSE"
+
+
+@pytest.mark.parametrize("burst", [1, 3])
+@async_test
+async def test_a_retry_after_of_zero_is_a_pause_of_no_time(
+    redis_server: RedisServer, burst: int
+) -> None:
+    """Real sites send ``Retry-After: 0`` (and dates already past): on an idle domain it must
+    neither fail the script (Redis refuses an expiry of 0, which would open the breaker as if
+    Redis were down) nor hold the domain back."""
+    limit = Limit(5, burst, "5/s")
+    async with token_bucket(redis_server) as bucket:
+        penalty = await bucket.penalize("shop.example", limit, 0.0, BACKOFF)
+        assert (penalty.changed, penalty.pause) == (True, 0.0)
+        assert (await bucket.acquire("shop.example", limit)).allowed
 
 
 def set_penalty_state(server: RedisServer, strikes: int, ended_ago: float) -> None:
@@ -272,16 +293,10 @@ def test_a_429_pauses_the_domain_for_every_worker(redis_server: RedisServer) -> 
     assert sum(s.get("redis_throttle/paused_reservations", 0) for s in all_stats) >= 1
 
 
-@pytest.mark.parametrize("throttle_redis", ["scrapy-redis's", "Cluster"], indirect=True)
-@async_test
-async def test_a_pause_published_by_another_worker_stops_reserved_requests(
-    redis_server: RedisServer, throttle_redis: Topology, site: DemoSite
-) -> None:
-    """The crawl reserves a moment for each request at once; another worker (here, the test)
-    then pauses the domain: the requests whose moments fall within the pause hear of it and
-    wait for it to end. (On a cluster, the pause is published on the primary of the domain's
-    slot, and the crawl listens on any node.)"""
-    settings = crawl_settings(redis_server.url, **throttle_settings(throttle_redis))
+async def crawl_paused_by_another_worker(settings: dict[str, Any], site: DemoSite) -> Crawler:
+    """Crawl 10 pages of A at 5/s, a moment reserved for each request at once; after 2
+    arrivals, another worker (here, the test, with the same settings) pauses A for 2 s: no
+    request may go within the pause. The crawler, for its stats."""
     runner = CrawlerRunner(settings)
     crawler = runner.create_crawler(UrlListSpider)
     crawl = runner.crawl(crawler, requests=pages(site, A, 10), redis_throttle_rates={A: "5/s"})
@@ -301,7 +316,71 @@ async def test_a_pause_published_by_another_worker_stops_reserved_requests(
     assert len(times) == 10
     # 8 requests had reserved moments 0.2 s apart, all within the pause of 2 s.
     assert [t for t in times if paused_at < t < paused_at + 1.99] == []
+    return crawler
+
+
+@pytest.mark.parametrize("throttle_redis", ["scrapy-redis's", "Cluster"], indirect=True)
+@async_test
+async def test_a_pause_published_by_another_worker_stops_reserved_requests(
+    redis_server: RedisServer, throttle_redis: Topology, site: DemoSite
+) -> None:
+    """The requests whose moments fall within another worker's pause hear of it and wait for
+    it to end. (On a cluster, the pause is published on the primary of the domain's slot, and
+    the crawl listens on any node.)"""
+    settings = crawl_settings(redis_server.url, **throttle_settings(throttle_redis))
+    crawler = await crawl_paused_by_another_worker(settings, site)
     assert crawler.stats.get_value("redis_throttle/paused_reservations") == 8
+
+
+@async_test
+async def test_a_worker_that_missed_the_message_still_keeps_the_pause(
+    redis_server: RedisServer, site: DemoSite
+) -> None:
+    """As above, but the crawl's worker cannot subscribe (its Redis user lacks the right), so
+    it hears of no pause: Redis delivers a message only to the workers subscribed when it is
+    published, as for a worker that was starting, or whose subscription was down. Its reserved
+    requests read the domain's last pause from Redis before they go."""
+    rules = [rule for rule in documented_acl_rules() if rule != "+subscribe"]
+    redis_server.add_user("deaf-worker", "worker-secret", *rules)
+    url = f"redis://deaf-worker:worker-secret@127.0.0.1:{redis_server.port}/0"
+    crawler = await crawl_paused_by_another_worker(crawl_settings(url), site)
+    stats = crawler.stats.get_stats()
+    assert stats["redis_throttle/paused_reservations"] == 8
+    assert stats["redis_throttle/voidings_read"] >= 9, "every reserved request read it"
+    assert stats["redis_throttle/listener_errors/NoPermissionError"] >= 1
+
+
+@async_test
+async def test_one_read_of_a_domains_last_voiding_serves_every_request_of_it(
+    redis_server: RedisServer,
+) -> None:
+    """A moment reserved before this worker subscribed (in another process, up to CLOCK_MARGIN
+    after it) needs the domain's last voiding read from Redis; one read made while subscribed
+    serves every later request of that domain, since the channel tells what comes after."""
+    config = ThrottleConfig.from_settings(Settings({"REDIS_THROTTLE_URL": redis_server.url}))
+    client = connect(config)
+    pauses = Pauses(client, "ch", MemoryStatsCollector(get_crawler()), dict, lambda _key: None)
+    try:
+        before = time.time()
+        await pauses.start()
+        subscribed = time.time()
+        assert not pauses.knows_voidings("a.example", before, elsewhere=False)
+        assert pauses.knows_voidings("a.example", subscribed, elsewhere=False)
+        assert not pauses.knows_voidings("a.example", subscribed, elsewhere=True), "clock margin"
+        pauses.read("a.example", None, before)
+        assert not pauses.knows_voidings("a.example", before, False), "asked before it listened"
+        pauses.read("a.example", None, time.time())
+        assert pauses.knows_voidings("a.example", before, False)
+        assert pauses.knows_voidings("a.example", subscribed, True)
+        assert not pauses.knows_voidings("b.example", before, False), "per domain"
+        # What a read says is kept: a voiding 0.5 s ago, for 2 s from now.
+        pauses.read("b.example", Voiding(age=0.5, left=2.0), time.time())
+        moment = asyncio.get_running_loop().time() + 1
+        assert pauses.voided("b.example", time.time() - 1, moment)
+        assert not pauses.voided("b.example", time.time(), moment), "reserved after it"
+    finally:
+        pauses.stop()
+        await close(client)
 
 
 @async_test
@@ -313,7 +392,8 @@ async def test_without_redis_a_429_pauses_the_worker_that_got_it(
     errors = {(A, "/page/1"): [(429, {"Retry-After": "1"})]}
     with DemoSite(HOSTS, pages=10, errors=errors) as site:
         await run_crawl(
-            crawl_settings(own_redis.url, RETRY_ENABLED=False),
+            # One worker alone: it paces locally though it never read the fleet's size.
+            crawl_settings(own_redis.url, RETRY_ENABLED=False, REDIS_THROTTLE_FALLBACK_WORKERS=1),
             pages(site, A, 5),
             redis_throttle_rates={A: "10/s"},
         )

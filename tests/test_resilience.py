@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
-from support import async_test
+from local_redis import RedisServer
+from scrapy.settings import Settings
+from scrapy.statscollectors import MemoryStatsCollector
+from scrapy.utils.test import get_crawler
+from support import async_test, wait_until_async
 
 from scrapy_redis_throttle import resilience
 from scrapy_redis_throttle.bucket import AcquireResult
-from scrapy_redis_throttle.config import Limit
-from scrapy_redis_throttle.resilience import CircuitBreaker, LocalBuckets
+from scrapy_redis_throttle.config import Limit, ThrottleConfig
+from scrapy_redis_throttle.connection import connect_url
+from scrapy_redis_throttle.resilience import CircuitBreaker, LocalBuckets, ResilientBucket
 
 
 class Clock:
@@ -51,37 +57,102 @@ async def test_breaker_wakes_its_waiters_when_it_closes() -> None:
 
 def test_local_buckets_pace_each_domain_at_its_share_of_the_rate() -> None:
     clock = Clock()
-    local = LocalBuckets(workers=2, clock=clock)
+    local = LocalBuckets(clock=clock)
     limit = Limit(rate=10, burst=1, text="10/s")  # 5/s for each of 2 workers: every 0.2 s
-    first = local.acquire("a.example", limit, cost=1, reserve=0.5)
+    first = local.acquire("a.example", limit, cost=1, reserve=0.5, workers=2)
     assert first.allowed
-    waits = [local.acquire("a.example", limit, 1, 0.5) for _ in range(3)]
+    waits = [local.acquire("a.example", limit, 1, 0.5, 2) for _ in range(3)]
     assert [w.reserved for w in waits] == [True, True, False]
     assert [w.retry_after for w in waits] == pytest.approx([0.2, 0.4, 0.6])
     assert local.busy_for("a.example") == pytest.approx(0.6)
-    assert local.acquire("b.example", limit, 1, 0.5).allowed, "domains are independent"
+    assert local.acquire("b.example", limit, 1, 0.5, 2).allowed, "domains are independent"
     clock.now += 0.601
-    assert local.acquire("a.example", limit, 1, 0.5).allowed
+    assert local.acquire("a.example", limit, 1, 0.5, 2).allowed
+
+
+def test_local_buckets_share_the_burst_between_the_workers() -> None:
+    """3 workers at 6/s, burst 6: each one's bucket holds 2 tokens, refilled at 2/s, so that
+    the fleet's first moments after a switch hold one burst, not three."""
+    clock = Clock()
+    local = LocalBuckets(clock=clock)
+    limit = Limit(rate=6, burst=6, text="6/s")
+    results = [local.acquire("a.example", limit, 1, 10, workers=3) for _ in range(4)]
+    assert [r.allowed for r in results] == [True, True, False, False]
+    assert [r.retry_after for r in results] == pytest.approx([0, 0, 0.5, 1.0])
+    # A request costs at most the burst; a worker's share of it is at least one request.
+    assert local.acquire("b.example", Limit(1, 1, "1/s"), 1, 0, workers=3).allowed
 
 
 def test_local_buckets_start_where_the_shared_bucket_was() -> None:
     clock = Clock()
-    local = LocalBuckets(workers=1, clock=clock)
+    local = LocalBuckets(clock=clock)
     shared = AcquireResult(allowed=False, reserved=True, tokens_left=0, retry_after=0.9,
                            reset_after=1.0)  # fmt: skip
     local.follow("a.example", shared)
-    result = local.acquire("a.example", Limit(10, 1, "10/s"), cost=1, reserve=5)
+    result = local.acquire("a.example", Limit(10, 1, "10/s"), cost=1, reserve=5, workers=1)
     assert result.retry_after == pytest.approx(1.0), "after the tokens Redis already gave out"
 
 
 def test_local_buckets_forget_full_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(resilience, "LOCAL_PRUNE_SIZE", 100)
     clock = Clock()
-    local = LocalBuckets(workers=1, clock=clock)
+    local = LocalBuckets(clock=clock)
     limit = Limit(1, 1, "1/s")
     for n in range(100):
-        local.acquire(f"d{n}.example", limit, 1, 0)
+        local.acquire(f"d{n}.example", limit, 1, 0, 1)
     assert len(local) == 100
     clock.now += 1.5  # all full again
-    local.acquire("new.example", limit, 1, 0)
+    local.acquire("new.example", limit, 1, 0, 1)
     assert len(local) == 1
+
+
+@async_test
+async def test_after_an_outage_a_worker_keeps_to_its_share_while_others_may_pace_alone(
+    own_redis: RedisServer,
+) -> None:
+    """Each worker's breaker closes at its own probe: for REDIS_THROTTLE_PROBE_INTERVAL after
+    Redis is back for one worker, another may still pace alone at its share, unknown to Redis.
+    The worker back on Redis keeps to its share meanwhile (2 workers at 10/s: a moment every
+    0.2 s, not 0.1 s), waiting for it without asking Redis, so that together they stay within
+    the rate; then the shared pace."""
+    settings = Settings(
+        {
+            "REDIS_THROTTLE_URL": own_redis.url,
+            "REDIS_THROTTLE_FALLBACK_WORKERS": 2,
+            "REDIS_THROTTLE_PROBE_INTERVAL": 1,
+        }
+    )
+    config = ThrottleConfig.from_settings(settings)
+    client = connect_url(own_redis.url, config.redis_params, 2)
+    stats = MemoryStatsCollector(get_crawler())
+    bucket = ResilientBucket(client, config, stats, dict)
+    limit = Limit(10, 1, "10/s")
+    loop = asyncio.get_running_loop()
+
+    async def moments(count: int) -> list[float]:
+        """The loop times of the next *count* moments this worker is given, one at a time."""
+        given: list[float] = []
+        while len(given) < count:
+            grant = await bucket.acquire("a.example", limit, 1)
+            if grant.shared:
+                given.append(loop.time() + grant.result.retry_after)
+            await asyncio.sleep(grant.result.retry_after)
+        return given
+
+    try:
+        own_redis.stop()
+        assert not (await bucket.acquire("a.example", limit, 1)).shared, "the breaker opened"
+        own_redis.start()
+        await wait_until_async(lambda: bucket.breaker.open_for() is None, "the probe")
+        calls = stats.get_value("redis_throttle/redis_calls")
+        handover = await moments(4)
+        assert stats.get_value("redis_throttle/redis_calls") == calls + 4, "waits ask no one"
+        await asyncio.sleep(1.0)  # the handover's length: REDIS_THROTTLE_PROBE_INTERVAL
+        shared = await moments(4)
+    finally:
+        await bucket.aclose()
+        await client.aclose()
+    steps = [later - earlier for earlier, later in itertools.pairwise(handover)]
+    assert all(0.19 < step < 0.3 for step in steps), handover
+    steps = [later - earlier for earlier, later in itertools.pairwise(shared)]
+    assert steps == pytest.approx([0.1] * 3, abs=0.02), shared

@@ -73,7 +73,16 @@ async def test_acl_user_with_the_documented_minimal_rights(site: DemoSite) -> No
 
 # Used only by the listener for other workers' pauses, and by the activity reports: without
 # them, the crawl still has Redis.
-RIGHTS_BESIDE_THE_BUCKETS = {"+subscribe", "&redis_throttle:penalties", "+del", "+hincrby", "+hdel"}
+# +zcard and +zrem: only to count the fleet (fleet.lua), whose refusal the crawl goes on without.
+RIGHTS_BESIDE_THE_BUCKETS = {
+    "+subscribe",
+    "&redis_throttle:penalties",
+    "+del",
+    "+hincrby",
+    "+hdel",
+    "+zcard",
+    "+zrem",
+}
 # Used only to count parked requests.
 PARKING_RIGHTS = {"+hincrby", "+hdel"}
 
@@ -93,7 +102,13 @@ async def test_each_documented_right_is_needed(dropped: str) -> None:
         url = f"redis://throttle-worker:worker-secret@127.0.0.1:{server.port}/0"
         parking = dropped in PARKING_RIGHTS
         crawler = await run_crawl(
-            crawl_settings(url, REDIS_THROTTLE_PROBE_INTERVAL=0.1, **(PARKING if parking else {})),
+            crawl_settings(
+                url,
+                REDIS_THROTTLE_PROBE_INTERVAL=0.1,
+                # One worker alone: it paces locally though it may never read the fleet's size.
+                REDIS_THROTTLE_FALLBACK_WORKERS=1,
+                **(PARKING if parking else {}),
+            ),
             [{"url": site.url(A, f"/page/{n}")} for n in range(3)],
             redis_throttle_rates=PARKED_RATES if parking else RATES,
         )
@@ -106,6 +121,41 @@ async def test_each_documented_right_is_needed(dropped: str) -> None:
     assert sum(v for k, v in stats.items() if k.startswith(error_stats)) >= 1
     if dropped not in RIGHTS_BESIDE_THE_BUCKETS:
         assert stats["redis_throttle/fallback/local"] >= 1
+
+
+@async_test
+async def test_a_worker_that_may_not_count_itself_in_the_fleet_says_so_and_knows_no_share(
+    site: DemoSite, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An ACL user of an older README, without ``+zcard`` (fleet.lua): the crawl is shared as
+    usual, but the worker cannot know its share of the rates for an outage; it says so once,
+    and under the "local" policy would wait for Redis rather than pace on a guess."""
+    caplog.set_level(logging.WARNING, logger="scrapy_redis_throttle")
+    rules = [rule for rule in documented_acl_rules() if rule != "+zcard"]
+    with RedisServer(password="admin-secret") as server:
+        server.add_user("throttle-worker", "worker-secret", *rules)
+        url = f"redis://throttle-worker:worker-secret@127.0.0.1:{server.port}/0"
+        crawler = await run_crawl(
+            crawl_settings(url, REDIS_THROTTLE_REPORT_INTERVAL=0.1),
+            [{"url": site.url(A, f"/page/{n}")} for n in range(5)],
+            redis_throttle_rates={A: "10/s"},
+        )
+    stats = crawler.stats.get_stats()
+    assert stats["test/responses"] == 5
+    assert stats["redis_throttle/requests"] == 5, "shared as usual"
+    assert "redis_throttle/outages" not in stats
+    assert "redis_throttle/fleet_size" not in stats
+    refused = sum(v for k, v in stats.items() if k.startswith("redis_throttle/activity_errors/"))
+    assert refused >= 2, "it tried again"
+    refusals = [r for r in caplog.records if "refused to count this worker" in r.getMessage()]
+    assert len(refusals) == 1, "said once"
+    assert crawler.spider is not None
+    middleware = next(
+        m
+        for m in crawler.engine.downloader.middleware.middlewares
+        if type(m).__name__ == "RedisThrottleMiddleware"
+    )
+    assert middleware.budget.workers() is None
 
 
 @async_test
@@ -126,7 +176,10 @@ async def test_wrong_password_is_reported_and_the_crawl_goes_on(
     caplog.set_level(logging.WARNING, logger="scrapy_redis_throttle")
     with RedisServer(password="s3cret") as server:
         crawler = await run_crawl(
-            crawl_settings(f"redis://:wrong@127.0.0.1:{server.port}/0"),
+            # One worker alone: it paces locally though it never read the fleet's size.
+            crawl_settings(
+                f"redis://:wrong@127.0.0.1:{server.port}/0", REDIS_THROTTLE_FALLBACK_WORKERS=1
+            ),
             [{"url": site.url(A, f"/page/{n}")} for n in range(5)],
             redis_throttle_rates={A: "20/s"},
         )

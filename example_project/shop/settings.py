@@ -9,10 +9,10 @@ SPIDER_MODULES = ["shop.spiders"]
 # REDIS_THROTTLE_MAX_CRAWL_DELAY, 30 s). The demo site has no robots.txt: the demo leaves it off.
 ROBOTSTXT_OBEY = False
 
-# scrapy-redis: every worker pulls from, and adds to, one shared frontier in Redis. This
-# subclass of scrapy-redis's scheduler also keeps, in Redis, the requests that must wait long for
-# their domain's budget, so that they do not hold download slots meanwhile.
-SCHEDULER = "scrapy_redis_throttle.RedisThrottleScheduler"
+# scrapy-redis: every worker pulls from, and adds to, one shared frontier in Redis. The throttle
+# keeps the requests that must wait long for their domain's budget beside its queue, in Redis
+# (shop:requests:parked), so that they do not hold download slots meanwhile.
+SCHEDULER = "scrapy_redis.scheduler.Scheduler"
 DUPEFILTER_CLASS = "scrapy_redis.dupefilter.RFPDupeFilter"
 # Keep the frontier when one worker stops, or it would be cleared for all the others.
 SCHEDULER_PERSIST = True
@@ -34,14 +34,11 @@ REDIS_THROTTLE_ADAPTIVE_RECOVERY = 60
 # While the fleet runs, an operator changes or pauses a domain's limit for every worker with
 # `scrapy-redis-throttle` (run in this folder, it reads these settings), e.g.
 # `scrapy-redis-throttle set 127.0.0.2 2/s` or `scrapy-redis-throttle --spider shop status`.
-# If Redis fails, each worker paces each domain itself at 1/N of its rate (N: the fleet's size,
-# which ./run demo passes with -s), until Redis is back and the limits are shared again.
-REDIS_THROTTLE_ON_REDIS_ERROR = "local"
-REDIS_THROTTLE_FALLBACK_WORKERS = 3
+# If Redis fails, each worker paces each domain itself at 1/N of its rate, N being the number of
+# workers it saw live in Redis just before (REDIS_THROTTLE_ON_REDIS_ERROR = "local", the
+# default; REDIS_THROTTLE_FALLBACK_WORKERS would fix N), until Redis is back.
 
-# Per-process politeness is left to the shared budget: no per-worker delay, and enough
-# concurrency for requests to wait their turn without blocking each other.
+# Per-process politeness is left to the shared budget: no per-worker delay (the start-up log
+# warns about a DOWNLOAD_DELAY, AutoThrottle or a per-domain concurrency below a burst).
 DOWNLOAD_DELAY = 0
-CONCURRENT_REQUESTS = 32
-CONCURRENT_REQUESTS_PER_DOMAIN = 32
 TELNETCONSOLE_ENABLED = False

@@ -1,0 +1,542 @@
+"""The parking area: requests whose domain has no budget for a while wait here, out of the
+downloader, whatever the scheduler.
+
+A request waiting inside a downloader middleware holds one of the ``CONCURRENT_REQUESTS`` units,
+so a slow domain's waiting requests would stall every other domain. The middleware hands such a
+request back to the engine with a :class:`Ticket` in its meta (its moment, and whether its
+tokens are reserved for it); the parking area, attached to the scheduler the engine runs
+(scrapy-redis's, Scrapy's, or a subclass of either), takes it before the scheduler sees it, keeps
+it aside and gives it back to the engine shortly before its moment, ahead of the scheduler's own
+requests, with its ticket beside it (:meth:`ParkingArea.handed_out`), not in its meta. Only
+requests that came out of the scheduler are parked: those the engine downloads directly
+(robots.txt, media pipelines: ``engine.download_async()``) would never come back through it.
+
+* With scrapy-redis's scheduler, parked requests wait in a sorted set in scrapy-redis's Redis,
+  beside its queue (``<queue key>:parked``), scored by when they are due, shared by the fleet:
+  whichever worker has room takes each (exactly one, atomically), and a parked request outlives
+  the worker that parked it. They share the queue's fate at the close: kept with
+  ``SCHEDULER_PERSIST``, dropped (and counted) without it; emptied by ``SCHEDULER_FLUSH_ON_START``.
+* With any other scheduler, they wait in this process; at the close they go into the scheduler's
+  own queue when it keeps it on disk (``JOBDIR``), and are dropped (and counted) otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import math
+import time
+import uuid
+from collections import deque
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+from weakref import WeakKeyDictionary, WeakSet
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from scrapy.utils.defer import deferred_from_coro, maybe_deferred_to_future
+from scrapy.utils.request import request_from_dict
+from scrapy_redis.scheduler import Scheduler as ScrapyRedisScheduler
+
+from .config import queue_redis_connection
+from .connection import connect_url
+from .resilience import STATS_PREFIX
+from .scripts import lua_script
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from redis.asyncio import Redis
+    from scrapy import Request, Spider
+    from scrapy.core.scheduler import BaseScheduler
+    from scrapy.crawler import Crawler
+    from twisted.internet.defer import Deferred
+
+logger = logging.getLogger(__name__)
+
+TICKET_META = "_redis_throttle_ticket"
+# Give parked requests back this long before they are due: the middleware holds them for the
+# rest, so that they leave exactly on time however busy the engine is.
+RELEASE_AHEAD = 0.5
+RELEASE_BATCH = 32
+# The least time between two looks for due requests: those due meanwhile are given back
+# together, still at least RELEASE_AHEAD - LOOK_INTERVAL early (with one look per request due,
+# the parking area cost ~1.6 Redis calls per request more at 35 requests/s: bench/binding.py).
+LOOK_INTERVAL = 0.1
+# How often a worker looks for requests that other workers parked in Redis.
+REDIS_POLL_INTERVAL = 0.25
+_ID_BYTES = 16
+# For the few plain commands (ZREM of a failed park, ZCARD and DEL at the close): the scripts
+# have a connection each.
+PARKING_CONNECTIONS = 2
+# Tries to make sure a request whose parking failed is not parked after all.
+FORGET_ATTEMPTS = 5
+# How soon to look again when the engine could take no request.
+BUSY_RETRY = 0.05
+# Names this process in the tickets it parks in Redis: its wall clock is theirs.
+_PROCESS = uuid.uuid4().hex
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """What the throttle and the parking area tell each other of a request: from the throttle,
+    in its meta (:data:`TICKET_META`), "park it until *due*"; from the parking area, beside it
+    (:meth:`ParkingArea.handed_out`), "back from the parking area, due at *due*"."""
+
+    due: float
+    """Loop time (``loop.time()``) of the request's moment."""
+    reserved: bool
+    """Its tokens are reserved for that moment (else it asks again then)..."""
+    locally: bool
+    """...in this process's own buckets (Redis was failing), not in Redis."""
+    reserved_at: float
+    """Wall time (:func:`time.time`) when its tokens were asked for: a pause heard of after
+    it voids the reservation (see :class:`.penalties.Pauses`)."""
+    waiting_since: float
+    """Wall time when the throttle first saw the request: its wait counts from then
+    (``redis_throttle/wait_time_*``), parked or not."""
+    elsewhere: bool = False
+    """Reserved in another process (parked in Redis by it): its wall clock counts."""
+
+    def to_wire(self) -> list[Any]:
+        """What travels through Redis with the request (JSON- and pickle-safe)."""
+        return [self.reserved, self.reserved_at, _PROCESS, self.locally, self.waiting_since]
+
+    @classmethod
+    def from_wire(cls, value: object, due: float) -> Ticket:
+        """The ticket of a request read back from Redis, due at *due*; anything unexpected
+        counts as no reservation (the request asks again)."""
+        if (
+            isinstance(value, list)
+            and len(value) == 5
+            and isinstance(value[0], bool)
+            and isinstance(value[3], bool)
+            and all(_is_time(value[n]) for n in (1, 4))
+        ):
+            reserved, reserved_at, process, locally, waiting_since = value
+            elsewhere = process != _PROCESS
+            # Moments reserved in another process's own buckets hold nothing here.
+            reserved = reserved and not (locally and elsewhere)
+            return cls(due, reserved, locally, float(reserved_at), float(waiting_since), elsewhere)
+        now = time.time()
+        return cls(due, False, False, now, now, elsewhere=True)
+
+
+def _is_time(value: object) -> bool:
+    """A wall time as :func:`time.time` gives (read back from Redis: anything may be there)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+Parked = tuple["Request", Ticket]
+"""A request taken out of the parking area, with its ticket."""
+
+
+class ParkingStore(Protocol):
+    @property
+    def poll_interval(self) -> float | None:
+        """How often to look for requests that other processes parked (``None``: never)."""
+
+    @property
+    def parked(self) -> int:
+        """Requests parked, as last seen."""
+
+    async def park(self, request: Request, ticket: Ticket) -> None: ...
+
+    async def unpark(self, ahead: float, limit: int) -> tuple[list[Parked], float | None]:
+        """Take out up to *limit* requests due within *ahead* seconds; return them, each with
+        its ticket, and the seconds until the next one left is due."""
+        ...
+
+    async def close(self, keep: bool) -> int:
+        """Close the store; unless *keep*, drop what is parked. Return how many were parked."""
+        ...
+
+
+class MemoryParking:
+    """Parked requests in this process, in a heap by due time. Those kept at the close go to
+    *keep_into* (the scheduler's own queues, which JOBDIR saves)."""
+
+    poll_interval: float | None = None
+
+    def __init__(self, keep_into: Callable[[Request], object] | None) -> None:
+        self._heap: list[tuple[float, int, Request, Ticket]] = []
+        self._order = itertools.count()
+        self._keep_into = keep_into
+
+    @property
+    def parked(self) -> int:
+        return len(self._heap)
+
+    async def park(self, request: Request, ticket: Ticket) -> None:
+        heapq.heappush(self._heap, (ticket.due, next(self._order), request, ticket))
+
+    async def unpark(self, ahead: float, limit: int) -> tuple[list[Parked], float | None]:
+        now = asyncio.get_running_loop().time()
+        due: list[Parked] = []
+        while self._heap and len(due) < limit and self._heap[0][0] <= now + ahead:
+            _, _, request, ticket = heapq.heappop(self._heap)
+            due.append((request, ticket))
+        return due, (self._heap[0][0] - now if self._heap else None)
+
+    async def close(self, keep: bool) -> int:
+        parked = [request for _, _, request, _ in sorted(self._heap)]
+        self._heap.clear()
+        if keep and self._keep_into is not None:
+            for request in parked:
+                self._keep_into(request)
+        return len(parked)
+
+
+class RedisParking:
+    """Parked requests in a Redis sorted set shared by every worker of the spider."""
+
+    poll_interval: float | None = REDIS_POLL_INTERVAL
+
+    def __init__(self, redis: Redis, key: str, spider: Spider, serializer: Any) -> None:
+        self.key = key
+        self.parked = 0
+        self._redis = redis
+        self._spider = spider
+        self._serializer = serializer  # scrapy-redis's SCHEDULER_SERIALIZER (pickle by default)
+        self._park_script = lua_script(redis, "park.lua")
+        self._unpark_script = lua_script(redis, "unpark.lua")
+
+    async def park(self, request: Request, ticket: Ticket) -> None:
+        delay = max(0.0, ticket.due - asyncio.get_running_loop().time())
+        wire = request.replace(meta={**request.meta, TICKET_META: ticket.to_wire()})
+        encoded = self._serializer.dumps(wire.to_dict(spider=self._spider))
+        # A unique prefix: two equal requests must stay two members.
+        member = uuid.uuid4().bytes + (encoded.encode() if isinstance(encoded, str) else encoded)
+        try:
+            reply = await self._park_script(keys=[self.key], args=[repr(delay * 1e6), member])
+        except (RedisConnectionError, RedisTimeoutError):
+            # The reply is lost, not necessarily the park: make sure the request is not in the
+            # set before the caller keeps it, or it would be crawled twice.
+            await self._forget(member)
+            raise
+        self.parked = int(reply)
+
+    async def _forget(self, member: bytes) -> None:
+        delay = 0.1
+        for _ in range(FORGET_ATTEMPTS):
+            try:
+                await self._redis.zrem(self.key, member)
+                return
+            except (RedisConnectionError, RedisTimeoutError):
+                await asyncio.sleep(delay)
+                delay *= 2
+        logger.error(
+            "Redis throttle: a request whose parking failed may also stay parked in %s and be "
+            "crawled twice",
+            self.key,
+        )
+
+    async def unpark(self, ahead: float, limit: int) -> tuple[list[Parked], float | None]:
+        reply = await self._unpark_script(keys=[self.key], args=[repr(ahead * 1e6), limit])
+        self.parked = int(reply[0])
+        next_due = float(reply[1])
+        now = asyncio.get_running_loop().time()
+        due = []
+        for member, due_in_ms in zip(reply[2::2], reply[3::2], strict=True):
+            try:
+                encoded = member[_ID_BYTES:]
+                request = request_from_dict(self._serializer.loads(encoded), spider=self._spider)
+            except Exception:
+                logger.exception("Redis throttle: dropped a parked request that cannot be read")
+                continue
+            wire = request.meta.pop(TICKET_META, None)
+            due.append((request, Ticket.from_wire(wire, now + float(due_in_ms) / 1000)))
+        return due, (next_due / 1000 if next_due >= 0 else None)
+
+    async def close(self, keep: bool) -> int:
+        try:
+            parked = int(await self._redis.zcard(self.key))
+            if not keep:
+                await self._redis.delete(self.key)
+            return parked
+        finally:
+            await self._park_script.aclose()
+            await self._unpark_script.aclose()
+            await self._redis.aclose(close_connection_pool=True)
+
+
+class ParkingArea:
+    """Parked requests of one crawl, attached to its scheduler (see :func:`attach`): requests
+    with a ticket to park go to *store*, those due come back to the engine ahead of the
+    scheduler's own; the spider stays open while any are parked. At the close, what is parked
+    is kept when *keep* (else dropped and counted)."""
+
+    def __init__(self, crawler: Crawler, store: ParkingStore, keep: bool) -> None:
+        self.store = store
+        self._crawler = crawler
+        self._keep = keep
+        self._ready: deque[Parked] = deque()
+        # Requests given back through engine.crawl(), until they reach enqueue_request...
+        self._giving_back: WeakKeyDictionary[Request, Ticket] = WeakKeyDictionary()
+        # ...and those the engine took, until the middleware sees them (see handed_out).
+        self._handed: WeakKeyDictionary[Request, Ticket | None] = WeakKeyDictionary()
+        # Given back because their parking failed: not parked again (it would fail again).
+        self._unparkable: WeakSet[Request] = WeakSet()
+        self._parking_tasks: set[asyncio.Task[None]] = set()
+        self._wake_up = asyncio.Event()
+        self._stopping = False
+        self._parks_done = 0
+        self._next_look = 0.0  # loop time of the release loop's next look, while it waits
+        self._concurrency = crawler.settings.getint("CONCURRENT_REQUESTS")
+        self._releaser = asyncio.ensure_future(self._release_loop())
+
+    def enqueue_request(self, request: Request) -> bool | None:
+        """Take *request* if it comes from the throttle or the parking area (True); None: it
+        is the scheduler's."""
+        released = self._giving_back.pop(request, None)
+        if released is not None:  # given back by _release_loop, through engine.crawl()
+            self._ready.append((request, released))
+            return True
+        ticket = request.meta.get(TICKET_META)
+        if not isinstance(ticket, Ticket):
+            return None
+        del request.meta[TICKET_META]
+        task = asyncio.ensure_future(self._park(request, ticket))
+        self._parking_tasks.add(task)
+        task.add_done_callback(self._parking_tasks.discard)
+        return True
+
+    def next_request(self, scheduler_next: Callable[[], Request | None]) -> Request | None:
+        """A request given back, else the scheduler's next (*scheduler_next*), marked as
+        handed out (see :meth:`handed_out`)."""
+        if self._ready:
+            request, ticket = self._ready.popleft()
+            self._handed[request] = ticket
+            return request
+        scheduled = scheduler_next()
+        if scheduled is not None:
+            self._handed[scheduled] = None
+        return scheduled
+
+    def handed_out(self, request: Request) -> tuple[bool, Ticket | None]:
+        """Whether the engine took *request* from the scheduler or the parking area (only
+        such a request may be parked), and its ticket if it is back from the parking area.
+        Asked once per request, by the middleware."""
+        if request not in self._handed:
+            return False, None
+        ticket = self._handed.pop(request)
+        if request in self._unparkable:
+            self._unparkable.discard(request)
+            return False, ticket
+        return True, ticket
+
+    def has_pending_requests(self) -> bool:
+        return (
+            bool(self._ready or self._parking_tasks or self.store.parked)
+            or self._wake_up.is_set()  # a park that the parked count may not show yet
+        )
+
+    async def _park(self, request: Request, ticket: Ticket) -> None:
+        try:
+            await self.store.park(request, ticket)
+        except Exception:
+            # Not lost: the middleware holds it until its moment instead.
+            logger.exception(
+                "Redis throttle: could not park %s; it waits in the downloader", request
+            )
+            self._unparkable.add(request)
+            self._give_back(request, ticket)
+            return
+        self._parks_done += 1
+        self._crawler.stats.inc_value(f"{STATS_PREFIX}/parked")
+        if ticket.due - RELEASE_AHEAD < self._next_look:
+            # Due before the release loop looks again (a park done while it looks is seen by
+            # _release_due itself): one more unpark call, only then.
+            self._wake_up.set()
+
+    def _give_back(self, request: Request, ticket: Ticket) -> None:
+        # engine.crawl() queues it (enqueue_request above) and wakes the engine up.
+        self._giving_back[request] = ticket
+        try:
+            self._crawler.engine.crawl(request)
+        except Exception:
+            logger.exception("Redis throttle: could not give back %s", request)
+            # Not lost: the engine takes it from there when it next asks for a request.
+            self._giving_back.pop(request, None)
+            self._ready.append((request, ticket))
+            return
+        if self._giving_back.pop(request, None) is not None:
+            # A request_scheduled handler dropped it (IgnoreRequest) before the scheduler saw it.
+            self._crawler.stats.inc_value(f"{STATS_PREFIX}/parked_dropped")
+            logger.warning(
+                "Redis throttle: %s, back from the parking area, was dropped by a "
+                "request_scheduled handler",
+                request,
+            )
+
+    def _room(self) -> int:
+        """How many requests the engine could start now: take no more than that out of the
+        parking area, or they would miss their moment here while another worker has room."""
+        engine = self._crawler.engine
+        try:
+            if engine.needs_backout():
+                return 0
+        except (AssertionError, AttributeError):  # the engine is still opening the spider
+            return 0
+        free = self._concurrency - len(engine.downloader.active) - len(self._ready)
+        return min(max(free, 0), RELEASE_BATCH)
+
+    async def _release_loop(self) -> None:
+        # Stopped by a flag, not by cancelling: a cancellation can get lost inside wait_for().
+        while not self._stopping:
+            self._wake_up.clear()
+            timeout = await self._release_due()
+            self._next_look = asyncio.get_running_loop().time() + timeout
+            with suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake_up.wait(), timeout)
+
+    async def _release_due(self) -> float:
+        """Give back what is due and there is room for; return how long to wait until next."""
+        room = self._room()
+        if not room:
+            return BUSY_RETRY
+        parks_before = self._parks_done
+        try:
+            due, next_due = await self.store.unpark(RELEASE_AHEAD, room)
+        except Exception:
+            logger.exception("Redis throttle: could not look for parked requests")
+            return self.store.poll_interval or 1.0
+        if self._parks_done != parks_before:
+            self._wake_up.set()  # a park crossed this look: look again, its count may be missing
+        for request, ticket in due:
+            if self._stopping:  # the engine is closing: park them again in stop()
+                self._ready.append((request, ticket))
+            else:
+                self._give_back(request, ticket)
+        if len(due) == room:
+            return 0.0
+        timeout = self.store.poll_interval or 1.0
+        if next_due is not None:
+            timeout = min(timeout, max(LOOK_INTERVAL, next_due - RELEASE_AHEAD))
+        return timeout
+
+    async def stop(self) -> None:
+        """Stop giving requests back; keep or drop what is parked (before the scheduler
+        closes: JOBDIR's queues must still be open to keep them)."""
+        self._stopping = True
+        self._wake_up.set()
+        try:
+            await self._releaser
+        except Exception:
+            logger.exception("Redis throttle: the parking area's release loop failed")
+        if self._parking_tasks:
+            await asyncio.gather(*self._parking_tasks, return_exceptions=True)
+        lost = 0
+        # Given back but not yet taken by the engine: park them again, due at once.
+        while self._ready:
+            request, ticket = self._ready.popleft()
+            now = asyncio.get_running_loop().time()
+            try:
+                await self.store.park(
+                    request, Ticket(now, False, False, ticket.reserved_at, ticket.waiting_since)
+                )
+            except Exception:
+                logger.exception("Redis throttle: could not park %s again at the close", request)
+                lost += 1
+        try:
+            parked = await self.store.close(self._keep)
+        except Exception:
+            logger.exception("Redis throttle: could not close the parking area")
+            parked = 0
+        if self._keep and parked:
+            logger.info("Redis throttle: %d parked requests are kept for the next run", parked)
+        not_crawled = lost + (0 if self._keep else parked)
+        if not_crawled:
+            self._crawler.stats.set_value(f"{STATS_PREFIX}/parked_not_crawled", not_crawled)
+            logger.warning(
+                "Redis throttle: %d parked requests were not crawled (they were waiting for "
+                "their domains' budgets when the spider closed)",
+                not_crawled,
+            )
+
+
+def engine_scheduler(crawler: Crawler) -> BaseScheduler | None:
+    """The scheduler the engine runs (``engine.scheduler`` is public from Scrapy 2.15 on)."""
+    engine = crawler.engine
+    scheduler = getattr(engine, "scheduler", None)
+    if scheduler is None:
+        slot = getattr(engine, "_slot", None)
+        scheduler = getattr(slot, "scheduler", None)
+    return scheduler
+
+
+def parked_key(scheduler: ScrapyRedisScheduler, spider: Spider) -> str:
+    """Where scrapy-redis's scheduler's parked requests wait: beside its queue."""
+    return f"{scheduler.queue_key % {'spider': spider.name}}:parked"
+
+
+def attach(crawler: Crawler, scheduler: BaseScheduler) -> ParkingArea:
+    """Attach a parking area to the engine's *scheduler*, whatever its class: its
+    ``enqueue_request``, ``next_request``, ``has_pending_requests`` and ``close`` are wrapped
+    on this instance (the engine calls them there), so that parked requests are taken before
+    the scheduler sees them, come back ahead of its own, keep the spider open, and are kept or
+    dropped at its close as its own queue is."""
+    spider = crawler.spider
+    assert spider is not None
+    if isinstance(scheduler, ScrapyRedisScheduler):
+        # In scrapy-redis's Redis, with the queue (not in the throttle's, which may be another):
+        # parked requests are part of the queue and share its fate.
+        key = parked_key(scheduler, spider)
+        if scheduler.flush_on_start:
+            scheduler.server.delete(key)
+        url, params = queue_redis_connection(crawler.settings)
+        # The queue's serializer: SCHEDULER_SERIALIZER, or scrapy-redis's default (pickle).
+        store = RedisParking(connect_url(url, params, PARKING_CONNECTIONS), key, spider,
+                             scheduler.queue.serializer)  # fmt: skip
+        # Known from the start, so that the spider neither closes nor idles on a guess (read
+        # synchronously, as scrapy-redis itself reads its queue's length at start).
+        store.parked = int(scheduler.server.zcard(key))
+        area = ParkingArea(crawler, store, keep=bool(scheduler.persist))
+    else:
+        enqueue = scheduler.enqueue_request
+        # Scrapy's scheduler with JOBDIR keeps its queue on disk: parked requests join it.
+        on_disk = getattr(scheduler, "dqs", None) is not None
+
+        def keep_into(request: Request) -> None:
+            # Its URL is already in the dupefilter's requests.seen: let it through once more.
+            enqueue(request.replace(dont_filter=True))
+
+        area = ParkingArea(crawler, MemoryParking(keep_into), keep=on_disk)
+    _wrap(scheduler, area)
+    return area
+
+
+def _wrap(scheduler: BaseScheduler, area: ParkingArea) -> None:
+    enqueue_request = scheduler.enqueue_request
+    next_request = scheduler.next_request
+    has_pending_requests = scheduler.has_pending_requests
+    close: Callable[[str], Deferred[None] | None] | None = getattr(scheduler, "close", None)
+
+    def enqueue(request: Request) -> bool:
+        taken = area.enqueue_request(request)
+        return enqueue_request(request) if taken is None else taken
+
+    def next_one() -> Request | None:
+        return area.next_request(next_request)
+
+    def pending() -> bool:
+        return area.has_pending_requests() or has_pending_requests()
+
+    async def close_both(reason: str) -> None:
+        await area.stop()  # first: the scheduler's close may flush or save its queue
+        if close is not None and (result := close(reason)) is not None:
+            await maybe_deferred_to_future(result)
+
+    def closing(reason: str) -> Deferred[None]:
+        return deferred_from_coro(close_both(reason))
+
+    for name, method in (
+        ("enqueue_request", enqueue),
+        ("next_request", next_one),
+        ("has_pending_requests", pending),
+        ("close", closing),
+    ):
+        setattr(scheduler, name, method)

@@ -1,0 +1,84 @@
+"""What the throttle tells the user at start-up: one line on what this set-up will do, the
+limits, and a warning for each per-process setting that fights the shared budget."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .config import CrawlSettings, format_rate
+from .parking import RedisParking
+
+if TYPE_CHECKING:
+    from scrapy.crawler import Crawler
+
+    from .config import ThrottleConfig
+    from .middleware import RedisThrottleMiddleware
+
+
+def describe_setup(middleware: RedisThrottleMiddleware) -> list[str]:
+    """The log lines of the start-up, the first one saying what this set-up will do."""
+    config = middleware.config
+    parking = middleware.parking
+    if parking is None:
+        waiting = "waiting requests are held in the downloader"
+    elif isinstance(parking.store, RedisParking):
+        waiting = (
+            f"requests that must wait over {config.max_hold:g} s are parked for the fleet in "
+            f"scrapy-redis's Redis ({parking.store.key})"
+        )
+    else:
+        waiting = f"requests that must wait over {config.max_hold:g} s are parked in this process"
+    codes = "/".join(map(str, sorted(config.penalty_codes)))
+    lines = [
+        f"one budget per domain shared in {config.redis_location} (key prefix "
+        f"{config.key_prefix!r}); {waiting}; "
+        + (f"a {codes} pauses its domain for every worker; " if codes else "")
+        + f"if Redis fails, {middleware.budget.describe_policy()}",
+        "limits:\n  " + "\n  ".join(config.limits.describe()),
+    ]
+    crawl_delay = middleware.crawl_delays.describe()
+    if crawl_delay is not None:
+        lines.append(crawl_delay)
+    adaptive = config.adaptive
+    if adaptive is not None:
+        lines.append(
+            f"adaptive rate: each {f'pause after a {codes} and each ' if codes else ''}"
+            f"download timeout multiplies a domain's rate by {adaptive.decrease:g} (down to "
+            f"{format_rate(adaptive.min_rate)}); it climbs back to the configured rate within "
+            f"{adaptive.recovery:g} s without failures"
+        )
+    return lines
+
+
+def setup_warnings(crawler: Crawler, config: ThrottleConfig) -> list[str]:
+    """Scrapy's per-process politeness settings that fight the shared budget, each with the
+    setting to change."""
+    scrapy = CrawlSettings.from_settings(crawler.settings)
+    warnings = []
+    if scrapy.download_delay > 0:
+        warnings.append(
+            f"DOWNLOAD_DELAY = {scrapy.download_delay:g} makes each worker wait that long "
+            "between two requests to a domain, on top of the shared budget: set "
+            "DOWNLOAD_DELAY = 0 and let the shared limits pace the fleet"
+        )
+    if scrapy.autothrottle:
+        warnings.append(
+            "AUTOTHROTTLE_ENABLED = True sets each worker's own delay per domain from its own "
+            "latencies, which fights the shared budget: set AUTOTHROTTLE_ENABLED = False "
+            "(REDIS_THROTTLE_ADAPTIVE_ENABLED = True slows a struggling domain down for the "
+            "whole fleet)"
+        )
+    burst = config.limits.largest_burst()
+    for name, value in (
+        ("CONCURRENT_REQUESTS_PER_DOMAIN", scrapy.per_domain),
+        ("CONCURRENT_REQUESTS_PER_IP", scrapy.per_ip),
+    ):
+        if 0 < value < burst:
+            warnings.append(
+                f"{name} = {value} is below the largest burst of the limits ({burst}): each "
+                f"worker sends at most {value} request(s) at a time to a domain, and those the "
+                "shared budget lets go meanwhile queue in the downloader, holding its slots; "
+                f"raise {name} (e.g. to CONCURRENT_REQUESTS = {scrapy.concurrent_requests}): "
+                "the shared limits already pace each domain"
+            )
+    return warnings

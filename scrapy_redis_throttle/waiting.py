@@ -1,0 +1,224 @@
+"""A request's turn: ask the shared bucket, then go now, wait a little in the middleware, or be
+parked until its moment (a :class:`~.parking.Ticket` for the parking area)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from typing import TYPE_CHECKING, Any
+
+from .config import FALLBACK_WAIT
+from .parking import RELEASE_AHEAD, Ticket
+from .resilience import STATS_PREFIX, sleep
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from scrapy import Request
+    from scrapy.statscollectors import StatsCollector
+
+    from .activity import Activity
+    from .config import Limit, ThrottleConfig
+    from .penalties import Pauses
+    from .resilience import Grant, ResilientBucket
+
+logger = logging.getLogger(__name__)
+
+# A parked request given back later than this after its reserved moment asks for a new one:
+# going that late would squeeze it against the next request's moment.
+LATE_RELEASE = 0.05
+# A timer may fire this early (the loop's clock resolution): the moment has come.
+MOMENT_SLACK = 0.001
+# When the request left for the download (loop time), for the adaptive rate.
+SENT_META = "_redis_throttle_sent_at"
+
+
+class Turns:
+    """Decides when each throttled request goes. Waits longer than ``max_hold`` are parked,
+    for the requests that may be (see :meth:`.ParkingArea.handed_out`)."""
+
+    def __init__(
+        self,
+        config: ThrottleConfig,
+        budget: ResilientBucket,
+        pauses: Pauses,
+        activity: Activity,
+        stats: StatsCollector,
+        log_extra: Callable[[], dict[str, Any]],
+    ) -> None:
+        self._config = config
+        self._budget = budget
+        self._pauses = pauses
+        self._activity = activity
+        self._stats = stats
+        self._log_extra = log_extra
+
+    async def take(
+        self,
+        request: Request,
+        key: str,
+        limit: Limit,
+        cost: float,
+        ticket: Ticket | None,
+        may_park: bool,
+    ) -> Ticket | None:
+        """Wait until *request* may go (None), or return the ticket to park it with (only if
+        it *may_park*). *ticket*: the request is back from the parking area with it."""
+        with self._activity.holding(key):
+            stats = self._stats
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            # Its wait counts from its first turn, before it was parked.
+            since = time.time() if ticket is None else ticket.waiting_since
+            if ticket is not None and ticket.reserved:
+                # Back from the parking area: its tokens are reserved for its moment.
+                if ticket.due - started >= -LATE_RELEASE:
+                    if await self._hold_until(
+                        key, ticket.due, ticket.reserved_at, ticket.elsewhere, ticket.locally
+                    ):
+                        self._went(request, key, since, delayed=True)
+                        return None
+                else:
+                    stats.inc_value(f"{STATS_PREFIX}/released_late")  # its moment passed: ask again
+            delayed = ticket is not None
+            while True:
+                asked_at = time.time()
+                grant = await self._budget.acquire(key, limit, cost)
+                result = grant.result
+                delayed = delayed or grant.waited_for_redis
+                paused = 0.0 if grant.shared else self._pauses.paused_for(key)
+                if paused:
+                    # Without Redis no bucket holds the pause back: this worker does.
+                    delayed = True
+                    await sleep(paused)
+                    continue
+                if result.allowed:
+                    self._went(request, key, since, delayed)
+                    return None
+                if result.paused and grant.shared:
+                    stats.inc_value(f"{STATS_PREFIX}/paused_live")
+                if may_park and result.retry_after > self._config.max_hold:
+                    return self._park(request, key, limit, grant, asked_at, since)
+                if result.paused:
+                    why = ", paused live" if grant.shared else ", until Redis answers"
+                else:
+                    why = "" if grant.shared else ", paced locally while Redis fails"
+                logger.debug(
+                    "Redis throttle: %(request)s waits %(delay).3f s for %(key)r "
+                    "(%(limit)s)%(why)s",
+                    {
+                        "request": request,
+                        "delay": result.retry_after,
+                        "key": key,
+                        "limit": limit,
+                        "why": why,
+                    },
+                    extra=self._log_extra(),
+                )
+                delayed = True
+                if result.reserved:
+                    moment = loop.time() + result.retry_after
+                    if await self._hold_until(key, moment, asked_at, local=not grant.shared):
+                        self._went(request, key, since, delayed)
+                        return None
+                    continue
+                if result.paused:
+                    await sleep(result.retry_after)
+                    continue
+                # Too far ahead to reserve: come back when it is not.
+                await sleep(result.retry_after - self._config.max_reserve / 2)
+
+    async def _hold_until(
+        self,
+        key: str,
+        moment: float,
+        reserved_at: float,
+        elsewhere: bool = False,
+        local: bool = False,
+    ) -> bool:
+        """Wait for the *moment* (loop time) reserved for *key* at *reserved_at*: True when it
+        comes, False as soon as it is void (see :meth:`_still_reserved`)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._pauses.sleep(key, moment - loop.time())
+            if not await self._still_reserved(key, reserved_at, moment, elsewhere, local):
+                return False
+            # Else woken early by a pause that does not void this moment (one that came after
+            # it was reserved): the rest of the wait still holds.
+            if loop.time() >= moment - MOMENT_SLACK:
+                return True
+
+    async def _still_reserved(
+        self,
+        key: str,
+        reserved_at: float,
+        moment: float,
+        elsewhere: bool = False,
+        local: bool = False,
+    ) -> bool:
+        """Whether a request may go at the *moment* it reserved at *reserved_at* (see
+        :meth:`.Pauses.voided`; *elsewhere*: in another process, maybe): not if a pause, or a
+        change of the rate, voided it since; it must ask Redis again. For a moment reserved in
+        Redis (not *local*ly, while Redis failed), a pause published while this worker was not
+        listening is read from Redis; if Redis cannot tell, the request goes by what this
+        worker heard (under the ``"wait"`` policy, it asks again)."""
+        if not local and not self._pauses.knows_voidings(key, reserved_at, elsewhere):
+            self._stats.inc_value(f"{STATS_PREFIX}/voidings_read")
+            read_at = time.time()
+            known, voiding = await self._budget.voided(key)
+            if known:
+                self._pauses.read(key, voiding, read_at)
+            elif self._config.on_redis_error == FALLBACK_WAIT:
+                return False  # nothing goes on a guess: it asks again, and waits for Redis
+            # Else Redis fails, and what this worker heard is all it can know: a moment
+            # reserved in Redis is still the fleet's, where a new one (paced alone) would know
+            # no more of the pauses published meanwhile.
+        if self._pauses.voided(key, reserved_at, moment, elsewhere):
+            self._stats.inc_value(f"{STATS_PREFIX}/paused_reservations")
+            return False
+        return True
+
+    def _went(self, request: Request, key: str, since: float, delayed: bool) -> None:
+        """Count a request that leaves for the download, first seen at *since* (wall time)."""
+        stats = self._stats
+        self._activity.went(key)
+        if self._config.adaptive is not None:
+            request.meta[SENT_META] = asyncio.get_running_loop().time()
+        stats.inc_value(f"{STATS_PREFIX}/requests")
+        if not delayed:
+            stats.inc_value(f"{STATS_PREFIX}/allowed_immediately")
+            return
+        # Wall time: a parked request may have been first seen in another process.
+        waited = max(0.0, time.time() - since)
+        stats.inc_value(f"{STATS_PREFIX}/delayed")
+        total_key = f"{STATS_PREFIX}/wait_time_total"
+        stats.set_value(total_key, stats.get_value(total_key, 0.0) + waited)
+        stats.max_value(f"{STATS_PREFIX}/wait_time_max", waited)
+
+    def _park(
+        self, request: Request, key: str, limit: Limit, grant: Grant, asked_at: float, since: float
+    ) -> Ticket:
+        """The ticket that parks *request* until shortly before it may go."""
+        result = grant.result
+        if result.reserved or result.paused:
+            delay = result.retry_after
+        else:
+            # Due when its tokens can be reserved, counting that the parking area gives it back
+            # RELEASE_AHEAD early (or it would come back too early, again and again); spread
+            # out, so that the requests parked together do not all come back at once.
+            delay = (
+                result.retry_after
+                + RELEASE_AHEAD
+                - self._config.max_reserve * random.uniform(0.5, 1)
+            )
+        logger.debug(
+            "Redis throttle: %(request)s parked for %(delay).3f s for %(key)r (%(limit)s)",
+            {"request": request, "delay": delay, "key": key, "limit": limit},
+            extra=self._log_extra(),
+        )
+        self._stats.inc_value(f"{STATS_PREFIX}/park_requests")
+        self._activity.park(key, 1)
+        due = asyncio.get_running_loop().time() + delay
+        return Ticket(due, result.reserved, not grant.shared, asked_at, since)
