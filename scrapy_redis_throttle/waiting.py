@@ -26,8 +26,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# A parked request given back later than this after its reserved moment asks for a new one:
-# going that late would squeeze it against the next request's moment.
+# A request that cannot go within this long after its reserved moment (given back late by the
+# parking area, or woken late by a busy process) asks for a new one: going that late would
+# squeeze it against the requests of the moments after its own, at the site.
 LATE_RELEASE = 0.05
 # A timer may fire this early (the loop's clock resolution): the moment has come.
 MOMENT_SLACK = 0.001
@@ -68,20 +69,18 @@ class Turns:
         it *may_park*). *ticket*: the request is back from the parking area with it."""
         with self._activity.holding(key):
             stats = self._stats
-            loop = asyncio.get_running_loop()
-            started = loop.time()
             # Its wait counts from its first turn, before it was parked.
             since = time.time() if ticket is None else ticket.waiting_since
-            if ticket is not None and ticket.reserved:
-                # Back from the parking area: its tokens are reserved for its moment.
-                if ticket.due - started >= -LATE_RELEASE:
-                    if await self._hold_until(
-                        key, ticket.due, ticket.reserved_at, ticket.elsewhere, ticket.locally
-                    ):
-                        self._went(request, key, since, delayed=True)
-                        return None
-                else:
-                    stats.inc_value(f"{STATS_PREFIX}/released_late")  # its moment passed: ask again
+            # Back from the parking area with its tokens reserved: it goes at its moment.
+            if (
+                ticket is not None
+                and ticket.reserved
+                and await self._hold_until(
+                    key, ticket.due, ticket.reserved_at, ticket.elsewhere, ticket.locally
+                )
+            ):
+                self._went(request, key, since, delayed=True)
+                return None
             delayed = ticket is not None
             while True:
                 asked_at = time.time()
@@ -119,7 +118,7 @@ class Turns:
                 )
                 delayed = True
                 if result.reserved:
-                    moment = loop.time() + result.retry_after
+                    moment = asyncio.get_running_loop().time() + result.retry_after
                     if await self._hold_until(key, moment, asked_at, local=not grant.shared):
                         self._went(request, key, since, delayed)
                         return None
@@ -139,16 +138,28 @@ class Turns:
         local: bool = False,
     ) -> bool:
         """Wait for the *moment* (loop time) reserved for *key* at *reserved_at*: True when it
-        comes, False as soon as it is void (see :meth:`_still_reserved`)."""
+        comes, False as soon as it is void (see :meth:`_still_reserved`) or missed (see
+        :meth:`_missed`)."""
         loop = asyncio.get_running_loop()
         while True:
             await self._pauses.sleep(key, moment - loop.time())
-            if not await self._still_reserved(key, reserved_at, moment, elsewhere, local):
+            if (
+                self._missed(moment)
+                or not await self._still_reserved(key, reserved_at, moment, elsewhere, local)
+                or self._missed(moment)  # Redis answered the voiding's read too late
+            ):
                 return False
             # Else woken early by a pause that does not void this moment (one that came after
             # it was reserved): the rest of the wait still holds.
             if loop.time() >= moment - MOMENT_SLACK:
                 return True
+
+    def _missed(self, moment: float) -> bool:
+        """Whether it is over ``LATE_RELEASE`` too late to go at *moment* (counted)."""
+        if asyncio.get_running_loop().time() <= moment + LATE_RELEASE:
+            return False
+        self._stats.inc_value(f"{STATS_PREFIX}/missed_moments")
+        return True
 
     async def _still_reserved(
         self,

@@ -172,6 +172,23 @@ def refused(arrivals: list[Arrival]) -> int:
     return sum(a.status == 429 for a in arrivals)
 
 
+def refusals(arrivals: list[Arrival]) -> str:
+    """Each 429 with the arrivals of its host in the second before it (ms before it), to tell
+    a squeezed second from a broken rate; empty when there was none."""
+    lines = []
+    for refusal in (a for a in arrivals if a.status == 429):
+        before = sorted(
+            a.time
+            for a in arrivals
+            if a.host == refusal.host and refusal.time - 1 < a.time < refusal.time
+        )
+        lines.append(
+            f"429 at {refusal.host}{refusal.path}, {len(before)} arrivals in the second before"
+            " it, ms before: " + " ".join(f"{(refusal.time - t) * 1000:.0f}" for t in before)
+        )
+    return "\n".join(lines)
+
+
 def progress(site: DemoSite, counts: dict[str, int]) -> str:
     return ", ".join(
         f"{host}: {len(fetched(site.arrivals(host)))}/{count}" for host, count in counts.items()

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from demo_site import HOSTS, DemoSite
 from local_redis import RedisServer
+from scrapy import signals
 from scrapy.addons import AddonManager
 from scrapy.crawler import Crawler, CrawlerRunner
 from scrapy.settings import Settings
@@ -47,13 +48,13 @@ def times(site: DemoSite, host: str) -> list[float]:
 
 @async_test
 async def test_two_domains_are_paced_at_their_own_rates(
-    redis_server: RedisServer, site: DemoSite
+    own_redis: RedisServer, site: DemoSite
 ) -> None:
     # ~4 s at 5/s and 2/s, burst 1, interleaved in one crawl.
     requests = pages(site, A, 21) + pages(site, B, 9)
     requests = sorted(requests, key=lambda r: int(r["url"].rsplit("/", 1)[1]))
     crawler = await run_crawl(
-        crawl_settings(redis_server.url),
+        crawl_settings(own_redis.url),
         requests,
         redis_throttle_rates={A: "5/s", B: {"rate": "2/s", "burst": 1}},
     )
@@ -73,8 +74,37 @@ async def test_two_domains_are_paced_at_their_own_rates(
     assert stats["redis_throttle/wait_time_total"] > stats["redis_throttle/wait_time_max"]
     # One call per request, even when it waits: its tokens are reserved in that call.
     assert stats["redis_throttle/redis_calls"] == 30
-    with redis_server.client() as client:
+    # On a server of its own: clients of other tests (scrapy-redis never closes its) may linger.
+    with own_redis.client() as client:
         assert len(client.client_list()) == 1, "the crawl closed its connections"
+
+
+@async_test
+async def test_requests_a_busy_worker_wakes_late_for_ask_for_new_moments(
+    redis_server: RedisServer, site: DemoSite
+) -> None:
+    """A callback that keeps the reactor busy (as a heavy parse does) wakes the requests held
+    meanwhile late, together: going then would squeeze them against each other at the site.
+    Each asks Redis for a new moment instead."""
+    stall = 0.7  # past the moments 0.2, 0.4 and 0.6 s after the first request's
+    runner = CrawlerRunner(crawl_settings(redis_server.url))
+    crawler = runner.create_crawler(UrlListSpider)
+    stalled: list[bool] = []
+
+    def busy_once(**_: Any) -> None:
+        if not stalled:
+            stalled.append(True)
+            time.sleep(stall)  # the busy worker itself, not a wait for something
+
+    crawler.signals.connect(busy_once, signal=signals.response_received)
+    await maybe_deferred_to_future(
+        runner.crawl(crawler, requests=pages(site, A, 6), redis_throttle_rates={A: "5/s"})
+    )
+
+    assert stalled
+    assert crawler.stats.get_value("test/responses") == 6
+    assert crawler.stats.get_value("redis_throttle/missed_moments", 0) >= 3
+    assert_paced(times(site, A), rate=5, burst=1, what=A)
 
 
 @async_test

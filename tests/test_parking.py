@@ -83,7 +83,7 @@ async def test_a_slow_domain_does_not_starve_the_others(
     assert stats["redis_throttle/parked"] == 3
     assert stats["redis_throttle/requests"] == 4
     assert stats["redis_throttle/redis_calls"] == 4, "one call per request: tokens reserved"
-    assert "redis_throttle/released_late" not in stats
+    assert "redis_throttle/missed_moments" not in stats
     assert "redis_throttle/parked_not_crawled" not in stats, "nothing left parked at the close"
 
 
@@ -122,7 +122,7 @@ async def test_redis_parked_requests_survive_the_close_for_the_next_run(
     crawler = await run_crawl(settings, [], redis_throttle_rates={SLOW: "2/s"})
     assert sorted(a.path for a in site.arrivals(SLOW)) == [f"/page/{n}" for n in range(3)]
     assert crawler.stats.get_value("redis_throttle/requests") == 2
-    assert crawler.stats.get_value("redis_throttle/released_late") == 2
+    assert crawler.stats.get_value("redis_throttle/missed_moments") == 2
     assert_paced([a.time for a in site.arrivals(SLOW)][1:], rate=2, burst=1, what=SLOW)
     with redis_server.client() as client:
         assert client.keys("*:parked") == []

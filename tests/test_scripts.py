@@ -29,6 +29,8 @@ KEY = bucket_key("ns", "shop.example")
 
 
 def throttle_connections(server: RedisServer) -> int:
+    """The connections open to *server*, a server of the test's own (another test's clients,
+    such as scrapy-redis's, which never closes its own, may outlive that test)."""
     with server.client() as client:
         return sum(1 for c in client.client_list() if c["cmd"] != "client|list")
 
@@ -54,11 +56,11 @@ async def call_together(script: LuaScript, calls: list[list[bytes]]) -> list[Any
 
 @async_test
 async def test_concurrent_calls_share_one_connection_and_keep_their_order(
-    redis_server: RedisServer,
+    own_redis: RedisServer,
 ) -> None:
-    async with token_bucket_script(redis_server) as script:
+    async with token_bucket_script(own_redis) as script:
         replies = await call_together(script, [script_args(LIMIT, 1)] * 60)
-        assert throttle_connections(redis_server) == 1
+        assert throttle_connections(own_redis) == 1
         results = [parse_reply(reply, LIMIT) for reply in replies]
         # In the order they were made: the burst of 50 first, then 10 refused (no reserve).
         assert [r.allowed for r in results] == [True] * 50 + [False] * 10
