@@ -80,7 +80,7 @@ async def test_two_domains_are_paced_at_their_own_rates(
 
 
 @async_test
-async def test_requests_a_busy_worker_wakes_late_for_ask_for_new_moments(
+async def test_requests_woken_late_by_a_busy_worker_ask_for_new_moments(
     redis_server: RedisServer, site: DemoSite
 ) -> None:
     """A callback that keeps the reactor busy (as a heavy parse does) wakes the requests held
