@@ -9,7 +9,7 @@ that parked them, so they are counted in one hash for the fleet: the worker that
 
 Each worker also counts itself in the fleet (``lua/fleet.lua``) at the same pace, reports or
 not: while Redis fails, the ``"local"`` policy paces each domain at its rate divided by the
-number of workers it saw live last (:attr:`Activity.fleet_size`).
+number of workers it saw live (:attr:`Activity.fleet_size`).
 """
 
 from __future__ import annotations
@@ -110,9 +110,8 @@ class Activity:
         self._parked_key = parked_key(prefix)
         self._fleet_key = fleet_key(prefix)
         self._period = interval or FLEET_INTERVAL
-        self.fleet_size: int | None = None
-        """Workers live in the fleet, this one included, as Redis said last (None: not yet, or
-        Redis refused the call)."""
+        # The fleet's sizes Redis gave (monotonic time, size), over a worker's lifetime in it.
+        self._sizes: deque[tuple[float, int]] = deque()
         self._fleet_refused = False
         self._log_extra = log_extra
         self._went: defaultdict[str, deque[float]] = defaultdict(deque)
@@ -121,6 +120,16 @@ class Activity:
         self._reporter: asyncio.Task[None] | None = None
         self._parked_script = lua_script(redis, "parked.lua")
         self._fleet_script = lua_script(redis, "fleet.lua")
+
+    @property
+    def fleet_size(self) -> int | None:
+        """Workers live in the fleet, this one included: the most Redis counted over the last
+        time a worker stays counted after its last call (``REPORTS_KEPT`` periods; None: not
+        read yet, or Redis refused the call). Not just the last count: a Redis restarted empty
+        counts the workers again one by one as they call, and an outage then would be paced
+        with shares too large. So a worker that left stops counting here some 2 to 2.5 times
+        that long after its last call."""
+        return max((size for _, size in self._sizes), default=None)
 
     def went(self, key: str) -> None:
         """A request of *key* left for the download."""
@@ -179,10 +188,12 @@ class Activity:
         await self._fleet_script.aclose()
 
     async def _count_in(self) -> None:
-        ttl_us = math.ceil(REPORTS_KEPT * self._period * 1e6)
+        counted_for = REPORTS_KEPT * self._period
         try:
-            self.fleet_size = int(
-                await self._fleet_script([self._fleet_key], [self._worker, ttl_us])
+            size = int(
+                await self._fleet_script(
+                    [self._fleet_key], [self._worker, math.ceil(counted_for * 1e6)]
+                )
             )
         except RedisError as exc:
             self._failed(exc)
@@ -199,9 +210,15 @@ class Activity:
                         extra=self._log_extra(),
                     )
                 self._fleet_refused = True
-                self.fleet_size = None
+                self._sizes.clear()
             return
         self._fleet_refused = False
+        now = time.monotonic()
+        self._sizes.append((now, size))
+        # A count is forgotten once the counts after it cover a worker's time in the fleet: by
+        # then every live worker has counted itself in again, even in a Redis restarted empty.
+        while len(self._sizes) > 1 and self._sizes[1][0] <= now - counted_for:
+            self._sizes.popleft()
         self._stats.set_value(f"{STATS_PREFIX}/fleet_size", self.fleet_size)
 
     async def _report_every_interval(self) -> None:

@@ -13,6 +13,7 @@ from scrapy.utils.test import get_crawler
 from support import async_test, wait_until_async
 
 from scrapy_redis_throttle import resilience
+from scrapy_redis_throttle.activity import REPORTS_KEPT, Activity, fleet_key
 from scrapy_redis_throttle.bucket import AcquireResult
 from scrapy_redis_throttle.config import Limit, ThrottleConfig
 from scrapy_redis_throttle.connection import connect_url
@@ -156,3 +157,32 @@ async def test_after_an_outage_a_worker_keeps_to_its_share_while_others_may_pace
     assert all(0.19 < step < 0.3 for step in steps), handover
     steps = [later - earlier for earlier, later in itertools.pairwise(shared)]
     assert steps == pytest.approx([0.1] * 3, abs=0.02), shared
+
+
+@async_test
+async def test_the_fleets_size_outlives_a_redis_that_lost_it(own_redis: RedisServer) -> None:
+    """A Redis restarted empty counts the workers again one by one, as each calls: a worker
+    that then read 1 would pace an outage at the full rate, alone. Its share stays that of the
+    most workers counted over a worker's time in the fleet (3 intervals), until the counts
+    after the restart cover that time."""
+    interval = 0.1
+    client = connect_url(own_redis.url, {}, 2)
+    stats = MemoryStatsCollector(get_crawler())
+    workers = [Activity(client, "ns", interval, stats, dict) for _ in range(3)]
+    for worker in workers:
+        await worker._count_in()
+    first = workers[0]
+    await first._count_in()
+    assert first.fleet_size == 3
+
+    own_redis.restart()
+    # The first call may fail on the connection the restart cut (the size is then kept).
+    await first._count_in()
+    await first._count_in()
+    with own_redis.client() as admin:
+        assert admin.zcard(fleet_key("ns")) == 1
+    assert first.fleet_size == 3
+    await asyncio.sleep(1.5 * REPORTS_KEPT * interval)  # the time passing is the subject
+    await first._count_in()
+    assert first.fleet_size == 1
+    await client.aclose()
