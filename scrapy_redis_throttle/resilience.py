@@ -213,6 +213,8 @@ class Grant:
     shared: bool
     """Decided by Redis (else by the fallback policy)."""
     waited_for_redis: bool = False
+    handover: bool = False
+    """A wait for this worker's share right after an outage (see ``_handover_wait``)."""
 
 
 class ResilientBucket:
@@ -259,7 +261,7 @@ class ResilientBucket:
             if self.breaker.open_for() is None:
                 share = self._handover_wait(key, limit, cost)
                 if share:
-                    return Grant(_later(share), shared=False)
+                    return Grant(_later(share), shared=False, handover=True)
                 result = await self._call_redis(key, limit, cost)
                 if result is not None:
                     return Grant(result, shared=True, waited_for_redis=waited)

@@ -100,7 +100,9 @@ class Turns:
                     stats.inc_value(f"{STATS_PREFIX}/paused_live")
                 if may_park and result.retry_after > self._config.max_hold:
                     return self._park(request, key, limit, grant, asked_at, since)
-                if result.paused:
+                if grant.handover:
+                    why = ", keeping to this worker's share just after an outage"
+                elif result.paused:
                     why = ", paused live" if grant.shared else ", until Redis answers"
                 else:
                     why = "" if grant.shared else ", paced locally while Redis fails"

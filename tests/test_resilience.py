@@ -130,6 +130,8 @@ async def test_after_an_outage_a_worker_keeps_to_its_share_while_others_may_pace
     limit = Limit(10, 1, "10/s")
     loop = asyncio.get_running_loop()
 
+    waits: list[bool] = []  # of the grants that were not Redis's: handover waits?
+
     async def moments(count: int) -> list[float]:
         """The loop times of the next *count* moments this worker is given, one at a time."""
         given: list[float] = []
@@ -137,6 +139,8 @@ async def test_after_an_outage_a_worker_keeps_to_its_share_while_others_may_pace
             grant = await bucket.acquire("a.example", limit, 1)
             if grant.shared:
                 given.append(loop.time() + grant.result.retry_after)
+            else:
+                waits.append(grant.handover)
             await asyncio.sleep(grant.result.retry_after)
         return given
 
@@ -148,6 +152,8 @@ async def test_after_an_outage_a_worker_keeps_to_its_share_while_others_may_pace
         calls = stats.get_value("redis_throttle/redis_calls")
         handover = await moments(4)
         assert stats.get_value("redis_throttle/redis_calls") == calls + 4, "waits ask no one"
+        assert waits, "the share made some requests wait"
+        assert all(waits), f"waits told apart as the handover's: {waits}"
         await asyncio.sleep(1.0)  # the handover's length: REDIS_THROTTLE_PROBE_INTERVAL
         shared = await moments(4)
     finally:
