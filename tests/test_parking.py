@@ -14,7 +14,12 @@ import pytest
 import redis
 from demo_site import HOSTS, DemoSite
 from local_redis import RedisServer
+from scrapy import Request, signals
+from scrapy.crawler import CrawlerRunner
+from scrapy.exceptions import IgnoreRequest
+from scrapy.utils.defer import maybe_deferred_to_future
 from scrapy_redis.scheduler import Scheduler as ScrapyRedisScheduler
+from spiders import UrlListSpider
 from support import achieved_rate, assert_paced, async_test, crawl_settings, run_crawl
 
 from scrapy_redis_throttle.parking import TICKET_META
@@ -185,3 +190,67 @@ def test_parked_requests_come_back_from_a_redis_out_of_memory(redis_server: Redi
             client.config_set("maxmemory", "0")
     assert reply[0] == 0, "none left"
     assert reply[2] == b"request"
+
+
+@async_test
+async def test_a_request_dropped_on_its_way_back_from_parking_is_counted_and_ends_nothing(
+    redis_server: RedisServer, site: DemoSite, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request_scheduled handler may drop (IgnoreRequest) a request the parking area gives
+    back: it is counted and logged, and the crawl still ends when nothing else is left."""
+    runner = CrawlerRunner(crawl_settings(redis_server.url))
+    crawler = runner.create_crawler(UrlListSpider)
+    dropped = site.url(SLOW, "/page/1")
+    scheduled: Counter[str] = Counter()
+
+    def drop_on_the_way_back(request: Request, **_: Any) -> None:
+        scheduled[request.url] += 1
+        # Scheduled at the start, to be parked, and given back: the third time.
+        if request.url == dropped and scheduled[request.url] == 3:
+            raise IgnoreRequest("dropped on its way back")
+
+    crawler.signals.connect(drop_on_the_way_back, signal=signals.request_scheduled)
+    started = time.monotonic()
+    await maybe_deferred_to_future(
+        runner.crawl(crawler, requests=requests(site, SLOW, 2), redis_throttle_rates={SLOW: "1/2s"})
+    )
+    took = time.monotonic() - started
+
+    stats = crawler.stats.get_stats()
+    assert scheduled[dropped] == 3
+    assert stats["redis_throttle/parked"] == 1
+    assert stats["redis_throttle/parked_dropped"] == 1
+    assert [a.path for a in site.arrivals(SLOW)] == ["/page/0"]
+    assert stats["finish_reason"] == "finished"
+    assert took < 10, f"the crawl took {took:.1f} s to end"
+    assert any("back from the parking area, was dropped" in r.getMessage() for r in caplog.records)
+
+
+@async_test
+async def test_a_request_whose_park_failed_waits_in_the_downloader_not_parked_again(
+    redis_server: RedisServer, site: DemoSite, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A park that fails (here the parked requests' key holds a string: WRONGTYPE) leaves the
+    request in the downloader until its moment, once: parked again, it would fail again, and
+    again, as fast as the engine turns."""
+    runner = CrawlerRunner(crawl_settings(redis_server.url, **SCRAPY_REDIS))
+    crawler = runner.create_crawler(UrlListSpider)
+
+    def break_parking(**_: Any) -> None:
+        with redis_server.client() as client:
+            if not client.exists("url_list:requests:parked"):
+                client.set("url_list:requests:parked", "not a sorted set")
+
+    # After the start, when the parking area is attached; before the first park.
+    crawler.signals.connect(break_parking, signal=signals.request_scheduled)
+    await maybe_deferred_to_future(
+        runner.crawl(crawler, requests=requests(site, SLOW, 3), redis_throttle_rates={SLOW: "1/2s"})
+    )
+
+    stats = crawler.stats.get_stats()
+    failures = [r for r in caplog.records if "could not park" in r.getMessage()]
+    assert stats["redis_throttle/park_requests"] == 2
+    assert len(failures) == 2, [r.getMessage() for r in failures]
+    assert "redis_throttle/parked" not in stats
+    assert sorted(a.path for a in site.arrivals(SLOW)) == [f"/page/{n}" for n in range(3)]
+    assert_paced([a.time for a in site.arrivals(SLOW)], rate=0.5, burst=1, what=SLOW)
