@@ -9,7 +9,7 @@ import itertools
 import re
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Coroutine, Generator
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -161,11 +161,18 @@ def crawl_settings(redis_url: str, **overrides: Any) -> dict[str, Any]:
 
 
 async def run_crawl(
-    settings: dict[str, Any], requests: list[dict[str, Any]], **spider_attributes: Any
+    settings: dict[str, Any],
+    requests: list[dict[str, Any]],
+    handlers: Mapping[object, Callable[..., Any]] | None = None,
+    **spider_attributes: Any,
 ) -> Crawler:
-    """Run one in-process crawl to its end and return its crawler (for its stats)."""
+    """Run one in-process crawl to its end and return its crawler (for its stats), with
+    *handlers* connected to their signals (the caller keeps them alive: signals hold their
+    receivers weakly)."""
     runner = CrawlerRunner(settings)
     crawler = runner.create_crawler(UrlListSpider)
+    for signal, handler in (handlers or {}).items():
+        crawler.signals.connect(handler, signal=signal)
     await maybe_deferred_to_future(runner.crawl(crawler, requests=requests, **spider_attributes))
     return crawler
 

@@ -87,8 +87,6 @@ async def test_requests_woken_late_by_a_busy_worker_ask_for_new_moments(
     meanwhile late, together: going then would squeeze them against each other at the site.
     Each asks Redis for a new moment instead."""
     stall = 0.7  # past the moments 0.2, 0.4 and 0.6 s after the first request's
-    runner = CrawlerRunner(crawl_settings(redis_server.url))
-    crawler = runner.create_crawler(UrlListSpider)
     stalled: list[bool] = []
 
     def busy_once(**_: Any) -> None:
@@ -96,9 +94,11 @@ async def test_requests_woken_late_by_a_busy_worker_ask_for_new_moments(
             stalled.append(True)
             time.sleep(stall)  # the busy worker itself, not a wait for something
 
-    crawler.signals.connect(busy_once, signal=signals.response_received)
-    await maybe_deferred_to_future(
-        runner.crawl(crawler, requests=pages(site, A, 6), redis_throttle_rates={A: "5/s"})
+    crawler = await run_crawl(
+        crawl_settings(redis_server.url),
+        pages(site, A, 6),
+        {signals.response_received: busy_once},
+        redis_throttle_rates={A: "5/s"},
     )
 
     assert stalled

@@ -15,11 +15,8 @@ import redis
 from demo_site import HOSTS, DemoSite
 from local_redis import RedisServer
 from scrapy import Request, signals
-from scrapy.crawler import CrawlerRunner
 from scrapy.exceptions import IgnoreRequest
-from scrapy.utils.defer import maybe_deferred_to_future
 from scrapy_redis.scheduler import Scheduler as ScrapyRedisScheduler
-from spiders import UrlListSpider
 from support import achieved_rate, assert_paced, async_test, crawl_settings, run_crawl
 
 from scrapy_redis_throttle.parking import TICKET_META
@@ -198,8 +195,6 @@ async def test_a_request_dropped_on_its_way_back_from_parking_is_counted_and_end
 ) -> None:
     """A request_scheduled handler may drop (IgnoreRequest) a request the parking area gives
     back: it is counted and logged, and the crawl still ends when nothing else is left."""
-    runner = CrawlerRunner(crawl_settings(redis_server.url))
-    crawler = runner.create_crawler(UrlListSpider)
     dropped = site.url(SLOW, "/page/1")
     scheduled: Counter[str] = Counter()
 
@@ -209,10 +204,12 @@ async def test_a_request_dropped_on_its_way_back_from_parking_is_counted_and_end
         if request.url == dropped and scheduled[request.url] == 3:
             raise IgnoreRequest("dropped on its way back")
 
-    crawler.signals.connect(drop_on_the_way_back, signal=signals.request_scheduled)
     started = time.monotonic()
-    await maybe_deferred_to_future(
-        runner.crawl(crawler, requests=requests(site, SLOW, 2), redis_throttle_rates={SLOW: "1/2s"})
+    crawler = await run_crawl(
+        crawl_settings(redis_server.url),
+        requests(site, SLOW, 2),
+        {signals.request_scheduled: drop_on_the_way_back},
+        redis_throttle_rates={SLOW: "1/2s"},
     )
     took = time.monotonic() - started
 
@@ -233,8 +230,6 @@ async def test_a_request_whose_park_failed_waits_in_the_downloader_not_parked_ag
     """A park that fails (here the parked requests' key holds a string: WRONGTYPE) leaves the
     request in the downloader until its moment, once: parked again, it would fail again, and
     again, as fast as the engine turns."""
-    runner = CrawlerRunner(crawl_settings(redis_server.url, **SCRAPY_REDIS))
-    crawler = runner.create_crawler(UrlListSpider)
 
     def break_parking(**_: Any) -> None:
         with redis_server.client() as client:
@@ -242,9 +237,11 @@ async def test_a_request_whose_park_failed_waits_in_the_downloader_not_parked_ag
                 client.set("url_list:requests:parked", "not a sorted set")
 
     # After the start, when the parking area is attached; before the first park.
-    crawler.signals.connect(break_parking, signal=signals.request_scheduled)
-    await maybe_deferred_to_future(
-        runner.crawl(crawler, requests=requests(site, SLOW, 3), redis_throttle_rates={SLOW: "1/2s"})
+    crawler = await run_crawl(
+        crawl_settings(redis_server.url, **SCRAPY_REDIS),
+        requests(site, SLOW, 3),
+        {signals.request_scheduled: break_parking},
+        redis_throttle_rates={SLOW: "1/2s"},
     )
 
     stats = crawler.stats.get_stats()
