@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 # A request that cannot go within this long after its reserved moment (given back late by the
 # parking area, or woken late by a busy process) asks for a new one: going that late would
 # squeeze it against the requests of the moments after its own, at the site.
-LATE_RELEASE = 0.05
+MISSED_AFTER = 0.05
 # A timer may fire this early (the loop's clock resolution): the moment has come.
 MOMENT_SLACK = 0.001
 # When the request left for the download (loop time), for the adaptive rate.
@@ -157,8 +157,8 @@ class Turns:
                 return True
 
     def _missed(self, moment: float) -> bool:
-        """Whether it is over ``LATE_RELEASE`` too late to go at *moment* (counted)."""
-        if asyncio.get_running_loop().time() <= moment + LATE_RELEASE:
+        """Whether it is over ``MISSED_AFTER`` too late to go at *moment* (counted)."""
+        if asyncio.get_running_loop().time() <= moment + MISSED_AFTER:
             return False
         self._stats.inc_value(f"{STATS_PREFIX}/missed_moments")
         return True
