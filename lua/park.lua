@@ -4,9 +4,14 @@
 -- Park a request until a moment in Redis server time, in a sorted set shared by the fleet.
 --
 -- KEYS[1]  the spider's parking set (score: when the request is due, in microseconds since
---          2024-01-01 by Redis's clock; member: a unique id followed by the serialized request)
+--          2024-01-01 by Redis's clock; member: ARGV[2])
+-- KEYS[2]  its index of reserved moments, for the voidings (see void_parked.lua): all with
+--          score 0, "<key length, 5 digits><throttle key><due, 17 digits><reserved_at, 16
+--          digits><id>", so that one throttle key's moments are one range, in order
 -- ARGV[1]  delay: microseconds from now until the request is due, >= 0
--- ARGV[2]  the member
+-- ARGV[2]  the member: "<r|u><id, 32 hex digits><key length, 5 digits><throttle key>
+--          <reserved_at, 16 digits><serialized request>". r: the request's moment is reserved
+--          (at reserved_at, µs by the parking worker's wall clock); u: it asks again when due.
 --
 -- Returns the number of requests parked.
 
@@ -15,11 +20,19 @@ if delay == nil or delay ~= delay or delay < 0 or delay == math.huge then
   return redis.error_reply("ERR redis_throttle: delay must be a finite number >= 0, got "
     .. tostring(ARGV[1]))
 end
-if ARGV[2] == nil or ARGV[2] == "" then
-  return redis.error_reply("ERR redis_throttle: no request to park")
+local member = ARGV[2] or ""
+local length = tonumber(string.match(member, "^[ru]" .. string.rep("%x", 32) .. "(%d%d%d%d%d)"))
+if not length or not string.find(string.sub(member, 39 + length, 54 + length), "^%d+$")
+    or #member <= 54 + length then
+  return redis.error_reply("ERR redis_throttle: not a parked request: " .. string.sub(member, 1, 64))
 end
 
 local time = redis.call("TIME")
 local now = (tonumber(time[1]) - 1704067200) * 1000000 + tonumber(time[2])
-redis.call("ZADD", KEYS[1], string.format("%.0f", now + delay), ARGV[2])
+local due = string.format("%017.0f", now + delay)
+redis.call("ZADD", KEYS[1], due, member)
+if string.sub(member, 1, 1) == "r" then
+  redis.call("ZADD", KEYS[2], 0, string.sub(member, 34, 38 + length) .. due
+    .. string.sub(member, 39 + length, 54 + length) .. string.sub(member, 2, 33))
+end
 return redis.call("ZCARD", KEYS[1])

@@ -6,8 +6,11 @@
 -- goes to exactly one caller, since the script runs atomically.
 --
 -- KEYS[1]  the spider's parking set (see park.lua)
+-- KEYS[2]  its index of reserved moments (see park.lua)
 -- ARGV[1]  ahead: microseconds; requests due that soon are taken too, >= 0
 -- ARGV[2]  limit: the most requests to take, >= 1
+-- ARGV[3]  (optional) a member: take out only this one, if it is parked, whenever it is due
+--          (a park whose reply was lost must not stay parked: its request waits elsewhere)
 --
 -- Returns {parked_left, next_due_ms, member_1, due_in_ms_1, member_2, due_in_ms_2, ...}:
 -- next_due_ms is how long until the next request left is due ("-1" when none is left);
@@ -26,13 +29,27 @@ end
 
 local time = redis.call("TIME")
 local now = (tonumber(time[1]) - 1704067200) * 1000000 + tonumber(time[2])
-local due = redis.call("ZRANGEBYSCORE", KEYS[1], "-inf", string.format("%.0f", now + ahead),
-  "WITHSCORES", "LIMIT", 0, limit)
+local due
+if ARGV[3] then
+  local score = redis.call("ZSCORE", KEYS[1], ARGV[3])
+  due = score and {ARGV[3], score} or {}
+else
+  due = redis.call("ZRANGEBYSCORE", KEYS[1], "-inf", string.format("%.0f", now + ahead),
+    "WITHSCORES", "LIMIT", 0, limit)
+end
 local reply = {0, "-1"}
 for i = 1, #due, 2 do
-  redis.call("ZREM", KEYS[1], due[i])
-  reply[#reply + 1] = due[i]
-  reply[#reply + 1] = string.format("%.3f", (tonumber(due[i + 1]) - now) / 1000)
+  local member, score = due[i], tonumber(due[i + 1])
+  redis.call("ZREM", KEYS[1], member)
+  -- A reserved moment leaves the index with it (a member not of park.lua's form has none).
+  local length = tonumber(string.match(member, "^r" .. string.rep("%x", 32) .. "(%d%d%d%d%d)"))
+  if length then
+    redis.call("ZREM", KEYS[2], string.sub(member, 34, 38 + length)
+      .. string.format("%017.0f", score) .. string.sub(member, 39 + length, 54 + length)
+      .. string.sub(member, 2, 33))
+  end
+  reply[#reply + 1] = member
+  reply[#reply + 1] = string.format("%.3f", (score - now) / 1000)
 end
 local next_due = redis.call("ZRANGE", KEYS[1], 0, 0, "WITHSCORES")
 if next_due[2] then

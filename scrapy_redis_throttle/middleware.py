@@ -107,6 +107,7 @@ class RedisThrottleMiddleware:
             crawler.stats,
             self._log_extra,
             forget=self.budget.local.forget,
+            release_parked=self._release_parked,
         )
         self.turns = Turns(
             self.config, self.budget, self.pauses, self.activity, crawler.stats, self._log_extra
@@ -155,6 +156,10 @@ class RedisThrottleMiddleware:
         await self.activity.stop()
         await self.budget.aclose()
         await close(self.redis)
+
+    def _release_parked(self, key: str, heard: float, until: float) -> None:
+        if self.parking is not None:
+            self.parking.voided(key, heard, until)
 
     def _log_extra(self) -> dict[str, Any]:
         return {"spider": self.crawler.spider}

@@ -18,6 +18,10 @@ requests that came out of the scheduler are parked: those the engine downloads d
   ``SCHEDULER_PERSIST``, dropped (and counted) without it; emptied by ``SCHEDULER_FLUSH_ON_START``.
 * With any other scheduler, they wait in this process; at the close they go into the scheduler's
   own queue when it keeps it on disk (``JOBDIR``), and are dropped (and counted) otherwise.
+
+A voiding of a throttle key's reserved moments (see :class:`.penalties.Pauses`) reaches the
+requests parked with them at once (:meth:`ParkingArea.voided`): they come back to ask again,
+as held ones wake to, not at their old moments. Both stores index reserved moments by key.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import time
 import uuid
 from collections import deque
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 from weakref import WeakKeyDictionary, WeakSet
 
@@ -43,6 +47,7 @@ from scrapy_redis.scheduler import Scheduler as ScrapyRedisScheduler
 
 from .config import queue_redis_connection
 from .connection import connect_url
+from .penalties import CLOCK_MARGIN
 from .resilience import STATS_PREFIX
 from .scripts import lua_script
 
@@ -68,7 +73,12 @@ RELEASE_BATCH = 32
 LOOK_INTERVAL = 0.1
 # How often a worker looks for requests that other workers parked in Redis.
 REDIS_POLL_INTERVAL = 0.25
-_ID_BYTES = 16
+# The flags of park.lua's members: indexed by its reserved moment, not, or voided (it asks
+# again, see void_parked.lua).
+_INDEXED, _NOT_INDEXED, _ASKS_AGAIN = b"r", b"u", b"a"
+_KEY_DIGITS = 5
+# Index entries that one call of void_parked.lua looks at, at most.
+VOID_BATCH = 100
 # For the few plain commands (ZREM of a failed park, ZCARD and DEL at the close): the scripts
 # have a connection each.
 PARKING_CONNECTIONS = 2
@@ -86,6 +96,8 @@ class Ticket:
     in its meta (:data:`TICKET_META`), "park it until *due*"; from the parking area, beside it
     (:meth:`ParkingArea.handed_out`), "back from the parking area, due at *due*"."""
 
+    key: str
+    """The throttle key whose budget it waits for (a voiding of its moments reaches it)."""
     due: float
     """Loop time (``loop.time()``) of the request's moment."""
     reserved: bool
@@ -106,9 +118,9 @@ class Ticket:
         return [self.reserved, self.reserved_at, _PROCESS, self.locally, self.waiting_since]
 
     @classmethod
-    def from_wire(cls, value: object, due: float) -> Ticket:
-        """The ticket of a request read back from Redis, due at *due*; anything unexpected
-        counts as no reservation (the request asks again)."""
+    def from_wire(cls, value: object, key: str, due: float) -> Ticket:
+        """The ticket of a request of *key* read back from Redis, due at *due*; anything
+        unexpected counts as no reservation (the request asks again)."""
         if (
             isinstance(value, list)
             and len(value) == 5
@@ -120,9 +132,11 @@ class Ticket:
             elsewhere = process != _PROCESS
             # Moments reserved in another process's own buckets hold nothing here.
             reserved = reserved and not (locally and elsewhere)
-            return cls(due, reserved, locally, float(reserved_at), float(waiting_since), elsewhere)
+            return cls(
+                key, due, reserved, locally, float(reserved_at), float(waiting_since), elsewhere
+            )
         now = time.time()
-        return cls(due, False, False, now, now, elsewhere=True)
+        return cls(key, due, False, False, now, now, elsewhere=True)
 
 
 def _is_time(value: object) -> bool:
@@ -132,6 +146,8 @@ def _is_time(value: object) -> bool:
 
 Parked = tuple["Request", Ticket]
 """A request taken out of the parking area, with its ticket."""
+_Entry = tuple[float, int, "Request", Ticket]
+"""A request parked in this process: due (loop time), order of parking, request, ticket."""
 
 
 class ParkingStore(Protocol):
@@ -150,6 +166,12 @@ class ParkingStore(Protocol):
         its ticket, and the seconds until the next one left is due."""
         ...
 
+    async def release_voided(self, key: str, heard: float, until: float) -> int:
+        """Make the requests of *key* parked with a moment up to *until* (loop time) reserved
+        before *heard* (wall time) due now, to ask again (see :meth:`.Pauses.pause`); return
+        how many."""
+        ...
+
     async def close(self, keep: bool) -> int:
         """Close the store; unless *keep*, drop what is parked. Return how many were parked."""
         ...
@@ -162,8 +184,10 @@ class MemoryParking:
     poll_interval: float | None = None
 
     def __init__(self, keep_into: Callable[[Request], object] | None) -> None:
-        self._heap: list[tuple[float, int, Request, Ticket]] = []
+        self._heap: list[_Entry] = []
         self._order = itertools.count()
+        # The entries whose moments are reserved, by throttle key: what a voiding may reach.
+        self._reserved: dict[str, dict[int, _Entry]] = {}
         self._keep_into = keep_into
 
     @property
@@ -171,19 +195,49 @@ class MemoryParking:
         return len(self._heap)
 
     async def park(self, request: Request, ticket: Ticket) -> None:
-        heapq.heappush(self._heap, (ticket.due, next(self._order), request, ticket))
+        entry = (ticket.due, next(self._order), request, ticket)
+        heapq.heappush(self._heap, entry)
+        if ticket.reserved:
+            self._reserved.setdefault(ticket.key, {})[entry[1]] = entry
 
     async def unpark(self, ahead: float, limit: int) -> tuple[list[Parked], float | None]:
         now = asyncio.get_running_loop().time()
         due: list[Parked] = []
         while self._heap and len(due) < limit and self._heap[0][0] <= now + ahead:
-            _, _, request, ticket = heapq.heappop(self._heap)
+            _, order, request, ticket = heapq.heappop(self._heap)
+            self._unindex(ticket.key, order)
             due.append((request, ticket))
         return due, (self._heap[0][0] - now if self._heap else None)
+
+    async def release_voided(self, key: str, heard: float, until: float) -> int:
+        void = {
+            order
+            for order, (due, _, _, ticket) in self._reserved.get(key, {}).items()
+            if due <= until and ticket.reserved_at < heard
+        }
+        if not void:
+            return 0
+        now = asyncio.get_running_loop().time()
+        kept = []
+        for entry in self._heap:
+            _, order, request, ticket = entry
+            if order in void:
+                self._unindex(key, order)
+                entry = (now, order, request, replace(ticket, due=now, reserved=False))
+            kept.append(entry)
+        heapq.heapify(kept)
+        self._heap = kept
+        return len(void)
+
+    def _unindex(self, key: str, order: int) -> None:
+        reserved = self._reserved.get(key)
+        if reserved is not None and reserved.pop(order, None) is not None and not reserved:
+            del self._reserved[key]
 
     async def close(self, keep: bool) -> int:
         parked = [request for _, _, request, _ in sorted(self._heap)]
         self._heap.clear()
+        self._reserved.clear()
         if keep and self._keep_into is not None:
             for request in parked:
                 self._keep_into(request)
@@ -191,27 +245,43 @@ class MemoryParking:
 
 
 class RedisParking:
-    """Parked requests in a Redis sorted set shared by every worker of the spider."""
+    """Parked requests in a Redis sorted set shared by every worker of the spider (*key*),
+    with an index of their reserved moments by throttle key (*key*``:moments``), through
+    which a voiding reaches them (``lua/void_parked.lua``)."""
 
     poll_interval: float | None = REDIS_POLL_INTERVAL
 
     def __init__(self, redis: Redis, key: str, spider: Spider, serializer: Any) -> None:
         self.key = key
+        self.index_key = moments_key(key)
         self.parked = 0
         self._redis = redis
         self._spider = spider
         self._serializer = serializer  # scrapy-redis's SCHEDULER_SERIALIZER (pickle by default)
         self._park_script = lua_script(redis, "park.lua")
         self._unpark_script = lua_script(redis, "unpark.lua")
+        self._void_script = lua_script(redis, "void_parked.lua")
 
     async def park(self, request: Request, ticket: Ticket) -> None:
         delay = max(0.0, ticket.due - asyncio.get_running_loop().time())
         wire = request.replace(meta={**request.meta, TICKET_META: ticket.to_wire()})
         encoded = self._serializer.dumps(wire.to_dict(spider=self._spider))
-        # A unique prefix: two equal requests must stay two members.
-        member = uuid.uuid4().bytes + (encoded.encode() if isinstance(encoded, str) else encoded)
+        key = _key_bytes(ticket.key)
+        if len(key) >= 10**_KEY_DIGITS:
+            key = b""  # (a key from meta) too long to index: its request waits for its moment
+        member = b"".join(
+            (
+                # Indexed by its moment when it has one that a voiding may reach (see park.lua).
+                _INDEXED if ticket.reserved and key else _NOT_INDEXED,
+                uuid.uuid4().hex.encode(),  # two equal requests must stay two members
+                b"%05d%s%016d" % (len(key), key, int(ticket.reserved_at * 1e6)),
+                encoded.encode() if isinstance(encoded, str) else encoded,
+            )
+        )
         try:
-            reply = await self._park_script(keys=[self.key], args=[repr(delay * 1e6), member])
+            reply = await self._park_script(
+                keys=[self.key, self.index_key], args=[repr(delay * 1e6), member]
+            )
         except (RedisConnectionError, RedisTimeoutError):
             # The reply is lost, not necessarily the park: make sure the request is not in the
             # set before the caller keeps it, or it would be crawled twice.
@@ -223,7 +293,7 @@ class RedisParking:
         delay = 0.1
         for _ in range(FORGET_ATTEMPTS):
             try:
-                await self._redis.zrem(self.key, member)
+                await self._unpark_script(keys=[self.key, self.index_key], args=["0", 1, member])
                 return
             except (RedisConnectionError, RedisTimeoutError):
                 await asyncio.sleep(delay)
@@ -235,32 +305,76 @@ class RedisParking:
         )
 
     async def unpark(self, ahead: float, limit: int) -> tuple[list[Parked], float | None]:
-        reply = await self._unpark_script(keys=[self.key], args=[repr(ahead * 1e6), limit])
+        reply = await self._unpark_script(
+            keys=[self.key, self.index_key], args=[repr(ahead * 1e6), limit]
+        )
         self.parked = int(reply[0])
         next_due = float(reply[1])
         now = asyncio.get_running_loop().time()
         due = []
         for member, due_in_ms in zip(reply[2::2], reply[3::2], strict=True):
             try:
-                encoded = member[_ID_BYTES:]
+                flag, key, encoded = read_member(member)
                 request = request_from_dict(self._serializer.loads(encoded), spider=self._spider)
             except Exception:
                 logger.exception("Redis throttle: dropped a parked request that cannot be read")
                 continue
-            wire = request.meta.pop(TICKET_META, None)
-            due.append((request, Ticket.from_wire(wire, now + float(due_in_ms) / 1000)))
+            ticket = Ticket.from_wire(
+                request.meta.pop(TICKET_META, None), key, now + float(due_in_ms) / 1000
+            )
+            if flag == _ASKS_AGAIN:
+                ticket = replace(ticket, reserved=False)
+            due.append((request, ticket))
         return due, (next_due / 1000 if next_due >= 0 else None)
+
+    async def release_voided(self, key: str, heard: float, until: float) -> int:
+        key_bytes = _key_bytes(key)
+        if len(key_bytes) >= 10**_KEY_DIGITS:
+            return 0  # never indexed (see park)
+        # Parked by any worker of the fleet, whose clock may differ from this one's.
+        reserved_before = b"%d" % max(0, int((heard + CLOCK_MARGIN) * 1e6))
+        until_us = repr(max(0.0, until - asyncio.get_running_loop().time()) * 1e6)
+        released, last = 0, b""
+        while True:
+            reply = await self._void_script(
+                keys=[self.key, self.index_key],
+                args=[key_bytes, until_us, reserved_before, last, VOID_BATCH],
+            )
+            released += int(reply[0])
+            last = reply[1]
+            if not last:
+                return released
 
     async def close(self, keep: bool) -> int:
         try:
             parked = int(await self._redis.zcard(self.key))
             if not keep:
-                await self._redis.delete(self.key)
+                await self._redis.delete(self.key, self.index_key)
             return parked
         finally:
-            await self._park_script.aclose()
-            await self._unpark_script.aclose()
+            for script in (self._park_script, self._unpark_script, self._void_script):
+                await script.aclose()
             await self._redis.aclose(close_connection_pool=True)
+
+
+def moments_key(key: str) -> str:
+    """The index of the reserved moments of the requests parked in *key* (see park.lua)."""
+    return f"{key}:moments"
+
+
+def _key_bytes(key: str) -> bytes:
+    # Any str, even one with lone surrogates (a key from meta), and always the same bytes.
+    return key.encode("utf-8", "surrogatepass")
+
+
+def read_member(member: bytes) -> tuple[bytes, str, bytes]:
+    """The flag, throttle key and serialized request of a member of the parking set (see
+    park.lua): ValueError when it is not one."""
+    flag, length = member[:1], member[33:38]
+    if flag not in (_INDEXED, _NOT_INDEXED, _ASKS_AGAIN) or not length.isdigit():
+        raise ValueError(f"not a parked request: {member[:64]!r}")
+    end = 38 + int(length)
+    return flag, member[38:end].decode("utf-8", "surrogatepass"), member[end + 16 :]
 
 
 class ParkingArea:
@@ -285,8 +399,21 @@ class ParkingArea:
         self._stopping = False
         self._parks_done = 0
         self._next_look = 0.0  # loop time of the release loop's next look, while it waits
+        # Voidings not yet passed on to the store: throttle key -> (heard, until).
+        self._voidings: dict[str, tuple[float, float]] = {}
         self._concurrency = crawler.settings.getint("CONCURRENT_REQUESTS")
         self._releaser = asyncio.ensure_future(self._release_loop())
+
+    def voided(self, key: str, heard: float, until: float) -> None:
+        """The moments of *key* up to *until* (loop time) reserved before *heard* (wall time)
+        are void (see :meth:`.Pauses.pause`): the requests parked with one come back at once,
+        to ask again, as held ones do, not at their old moments."""
+        if (known := self._voidings.get(key)) is not None:
+            # Two voidings passed on as one that covers both (and errs on the polite side: a
+            # moment reserved between them, after the first one's end, asks again too).
+            heard, until = max(heard, known[0]), max(until, known[1])
+        self._voidings[key] = (heard, until)
+        self._wake_up.set()
 
     def enqueue_request(self, request: Request) -> bool | None:
         """Take *request* if it comes from the throttle or the parking area (True); None: it
@@ -388,10 +515,34 @@ class ParkingArea:
         # Stopped by a flag, not by cancelling: a cancellation can get lost inside wait_for().
         while not self._stopping:
             self._wake_up.clear()
+            await self._release_voided()
             timeout = await self._release_due()
             self._next_look = asyncio.get_running_loop().time() + timeout
             with suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake_up.wait(), timeout)
+
+    async def _release_voided(self) -> None:
+        while self._voidings:
+            key, (heard, until) = self._voidings.popitem()
+            try:
+                released = await self.store.release_voided(key, heard, until)
+            except Exception as exc:
+                logger.warning(
+                    "Redis throttle: requests parked for %r with moments just voided ask again "
+                    "only at those moments: could not bring them back at once (%s: %s)",
+                    key,
+                    type(exc).__name__,
+                    exc,
+                )
+                continue
+            if released:
+                self._crawler.stats.inc_value(f"{STATS_PREFIX}/paused_reservations", released)
+                logger.debug(
+                    "Redis throttle: %d requests parked for %r come back to ask again: their "
+                    "moments were voided",
+                    released,
+                    key,
+                )
 
     async def _release_due(self) -> float:
         """Give back what is due and there is room for; return how long to wait until next."""
@@ -436,7 +587,7 @@ class ParkingArea:
             now = asyncio.get_running_loop().time()
             try:
                 await self.store.park(
-                    request, Ticket(now, False, False, ticket.reserved_at, ticket.waiting_since)
+                    request, replace(ticket, due=now, reserved=False, locally=False)
                 )
             except Exception:
                 logger.exception("Redis throttle: could not park %s again at the close", request)
@@ -486,7 +637,7 @@ def attach(crawler: Crawler, scheduler: BaseScheduler) -> ParkingArea:
         # parked requests are part of the queue and share its fate.
         key = parked_key(scheduler, spider)
         if scheduler.flush_on_start:
-            scheduler.server.delete(key)
+            scheduler.server.delete(key, moments_key(key))
         url, params = queue_redis_connection(crawler.settings)
         # The queue's serializer: SCHEDULER_SERIALIZER, or scrapy-redis's default (pickle).
         store = RedisParking(connect_url(url, params, PARKING_CONNECTIONS), key, spider,

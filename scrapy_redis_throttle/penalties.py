@@ -85,7 +85,8 @@ def _utc(moment: datetime) -> datetime:
 
 class Pauses:
     """The pauses this worker knows of: its own, and those other workers published. *forget*
-    drops what the worker saw of a key's bucket, which Redis changed."""
+    drops what the worker saw of a key's bucket, which Redis changed; *release_parked* passes
+    each voiding on to the parking area (see :meth:`.ParkingArea.voided`)."""
 
     def __init__(
         self,
@@ -94,9 +95,11 @@ class Pauses:
         stats: StatsCollector,
         log_extra: Callable[[], dict[str, Any]],
         forget: Callable[[str], None],
+        release_parked: Callable[[str, float, float], None],
     ) -> None:
         self._redis = redis
         self._forget = forget
+        self._release_parked = release_parked
         self._channel = channel
         self._stats = stats
         self._log_extra = log_extra
@@ -128,7 +131,8 @@ class Pauses:
     def pause(self, key: str, seconds: float, age: float = 0.0) -> None:
         """Moments of *key* within the next *seconds* that were reserved before now (or
         *age* seconds ago) are void (a pause, or moments chosen under a rate that changed): the
-        requests that hold them wake at once (see :meth:`sleep`) and must ask again."""
+        requests that hold them wake at once (see :meth:`sleep`), those parked with them come
+        back at once, and all must ask again."""
         heard, until = time.time() - age, asyncio.get_running_loop().time() + seconds
         pauses = self._under_way(key)
         if any(h >= heard - SAME_PAUSE and u >= until - SAME_PAUSE for h, u in pauses):
@@ -138,6 +142,7 @@ class Pauses:
         for sleeper, wake_at in list(self._sleepers.get(key, {}).items()):
             if wake_at <= until:
                 sleeper.cancel()
+        self._release_parked(key, heard, until)
 
     def knows_voidings(self, key: str, reserved_at: float, elsewhere: bool) -> bool:
         """Whether this worker knows every voiding of *key*'s moments since *reserved_at*

@@ -234,4 +234,4 @@ class Turns:
         self._stats.inc_value(f"{STATS_PREFIX}/park_requests")
         self._activity.park(key, 1)
         due = asyncio.get_running_loop().time() + delay
-        return Ticket(due, result.reserved, not grant.shared, asked_at, since)
+        return Ticket(key, due, result.reserved, not grant.shared, asked_at, since)

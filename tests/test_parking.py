@@ -3,9 +3,11 @@ whatever the scheduler (Scrapy's, scrapy-redis's, a subclass of either, or this 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import pickle
 import time
+import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -15,11 +17,22 @@ import redis
 from demo_site import HOSTS, DemoSite
 from local_redis import RedisServer
 from scrapy import Request, signals
+from scrapy.crawler import CrawlerRunner
 from scrapy.exceptions import IgnoreRequest
+from scrapy.utils.defer import maybe_deferred_to_future
 from scrapy_redis.scheduler import Scheduler as ScrapyRedisScheduler
-from support import achieved_rate, assert_paced, async_test, crawl_settings, run_crawl
+from spiders import UrlListSpider
+from support import (
+    achieved_rate,
+    assert_paced,
+    async_test,
+    crawl_settings,
+    run_crawl,
+    wait_until_async,
+)
 
-from scrapy_redis_throttle.parking import TICKET_META
+from scrapy_redis_throttle.control import LiveControl
+from scrapy_redis_throttle.parking import TICKET_META, MemoryParking, Ticket, read_member
 from scrapy_redis_throttle.scripts import load_script
 
 SLOW, FREE, _ = HOSTS
@@ -52,6 +65,18 @@ SCHEDULERS = {
 
 def requests(site: DemoSite, host: str, count: int) -> list[dict[str, Any]]:
     return [{"url": site.url(host, f"/page/{n}")} for n in range(count)]
+
+
+def member(flag: bytes, key: str, body: bytes, reserved_at: float = 0.0) -> bytes:
+    """A member of the parking set, as park.lua takes them."""
+    return b"%s%s%05d%s%016d%s" % (
+        flag,
+        uuid.uuid4().hex.encode(),
+        len(key),
+        key.encode(),
+        reserved_at * 1e6,
+        body,
+    )
 
 
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
@@ -107,7 +132,10 @@ async def test_redis_parked_requests_survive_the_close_for_the_next_run(
     assert len(site.arrivals(SLOW)) == 1
     with redis_server.client() as client:
         members = client.zrange("url_list:requests:parked", 0, -1)
-        parked = [pickle.loads(member[16:]) for member in members]  # Request.to_dict() output
+        read = [read_member(member) for member in members]
+        assert [(flag, key) for flag, key, _ in read] == [(b"r", SLOW)] * 2, "reserved moments"
+        assert client.zcard("url_list:requests:parked:moments") == 2, "indexed by moment"
+        parked = [pickle.loads(encoded) for _, _, encoded in read]  # Request.to_dict() output
         assert len(parked) == 2, "both waiting requests are still in Redis"
         assert {r["url"] for r in parked} | {site.url(SLOW, site.arrivals(SLOW)[0].path)} == {
             site.url(SLOW, f"/page/{n}") for n in range(3)
@@ -117,8 +145,14 @@ async def test_redis_parked_requests_survive_the_close_for_the_next_run(
         assert any(
             "2 parked requests are kept for the next run" in r.getMessage() for r in caplog.records
         )
-        # As if the next run started a minute later: they are due, their reservations passed.
+        # As if the next run started a minute later: they are due, their reservations passed
+        # (each due at 0, in the index of moments too: "<length><key><due><reserved_at><id>").
         client.zadd("url_list:requests:parked", dict.fromkeys(members, 0))
+        due_at = slice(5 + len(SLOW), 5 + len(SLOW) + 17)
+        for entry in client.zrange("url_list:requests:parked:moments", 0, -1):
+            client.zrem("url_list:requests:parked:moments", entry)
+            overdue = entry[: due_at.start] + b"0" * 17 + entry[due_at.stop :]
+            client.zadd("url_list:requests:parked:moments", {overdue: 0})
         client.delete(f"redis_throttle:{{{SLOW}}}")
 
     crawler = await run_crawl(settings, [], redis_throttle_rates={SLOW: "2/s"})
@@ -127,7 +161,7 @@ async def test_redis_parked_requests_survive_the_close_for_the_next_run(
     assert crawler.stats.get_value("redis_throttle/missed_moments") == 2
     assert_paced([a.time for a in site.arrivals(SLOW)][1:], rate=2, burst=1, what=SLOW)
     with redis_server.client() as client:
-        assert client.keys("*:parked") == []
+        assert client.keys("*:parked*") == [], "neither requests nor their moments are left"
 
 
 @pytest.mark.parametrize("scheduler", ["scrapy", "scrapy-redis-priority"])
@@ -174,19 +208,21 @@ async def test_jobdir_keeps_parked_requests_for_the_next_run(
 def test_parked_requests_come_back_from_a_redis_out_of_memory(redis_server: RedisServer) -> None:
     """unpark.lua only removes: a Redis out of memory (noeviction) still lets it run, as it
     lets scrapy-redis pop its queue, while it refuses new parks."""
-    key = "shop:requests:parked"
+    keys = ("shop:requests:parked", "shop:requests:parked:moments")
+    request, another = member(b"r", SLOW, b"request"), member(b"r", SLOW, b"another")
     with redis_server.client() as client:
-        assert client.eval(load_script("park.lua"), 1, key, "0", b"request") == 1
+        assert client.eval(load_script("park.lua"), 2, *keys, "0", request) == 1
         client.config_set("maxmemory-policy", "noeviction")
         client.config_set("maxmemory", "1")  # below what is used already: out of memory
         try:
             with pytest.raises(redis.exceptions.OutOfMemoryError):
-                client.eval(load_script("park.lua"), 1, key, "0", b"another")
-            reply = client.eval(load_script("unpark.lua"), 1, key, "0", "10")
+                client.eval(load_script("park.lua"), 2, *keys, "0", another)
+            reply = client.eval(load_script("unpark.lua"), 2, *keys, "0", "10")
         finally:
             client.config_set("maxmemory", "0")
+        assert client.exists(*keys) == 0, "the request and its moment are gone"
     assert reply[0] == 0, "none left"
-    assert reply[2] == b"request"
+    assert reply[2] == request
 
 
 @async_test
@@ -251,3 +287,122 @@ async def test_a_request_whose_park_failed_waits_in_the_downloader_not_parked_ag
     assert "redis_throttle/parked" not in stats
     assert sorted(a.path for a in site.arrivals(SLOW)) == [f"/page/{n}" for n in range(3)]
     assert_paced([a.time for a in site.arrivals(SLOW)], rate=0.5, burst=1, what=SLOW)
+
+
+def test_a_voiding_brings_back_the_requests_parked_in_redis_with_moments_it_voids(
+    redis_server: RedisServer,
+) -> None:
+    """void_parked.lua: the requests parked with a reserved moment of the key, up to the
+    voiding's end, reserved before it, become due now and marked to ask again ("a"); the
+    others keep their moments, and their place in the index. It goes in batches, each on from
+    where the last one stopped; a second worker that heard the same voiding finds nothing."""
+    keys = ("shop:requests:parked", "shop:requests:parked:moments")
+    heard = time.time()
+    void = [member(b"r", SLOW, b"void %d" % n, heard - 1) for n in range(5)]
+    kept = [
+        member(b"r", SLOW, b"reserved after the voiding", heard + 0.5),
+        member(b"r", SLOW, b"due after its end", heard - 1),
+        member(b"r", FREE, b"another key", heard - 1),
+        member(b"u", SLOW, b"not reserved", heard - 1),
+    ]
+    delays = [10, 20, 30, 40, 50, 20, 100, 10, 10]
+    with redis_server.client() as client:
+        for parked, delay in zip(void + kept, delays, strict=True):
+            client.eval(load_script("park.lua"), 2, *keys, repr(delay * 1e6), parked)
+        assert client.zcard(keys[1]) == 8, "only the reserved moments are indexed"
+
+        def void_parked(*args: str | bytes) -> list[Any]:
+            return client.eval(load_script("void_parked.lua"), 2, *keys, *args)  # type: ignore[no-any-return]
+
+        def voiding() -> tuple[int, int]:
+            released, calls, last = 0, 0, b""
+            while True:
+                reply = void_parked(SLOW, "60000000", b"%d" % (heard * 1e6), last, "2")
+                released, calls, last = released + reply[0], calls + 1, reply[1]
+                if not last:
+                    return released, calls
+
+        # SLOW's 6 moments within 60 s, 2 a call: 2 + 2 + 2 + 0; then 1 is left.
+        assert voiding() == (5, 4)
+        assert voiding() == (0, 1), "the same voiding, heard by another worker"
+        assert client.zcard(keys[1]) == 3
+        reply = client.eval(load_script("unpark.lua"), 2, *keys, "0", "100")
+        assert sorted(reply[2::2]) == sorted(b"a" + parked[1:] for parked in void)
+        assert all(-1000 < float(due_in) <= 0 for due_in in reply[3::2]), "due now"
+        assert client.zcard(keys[0]) == 4
+        assert client.zcard(keys[1]) == 3, "the others keep their moments"
+
+        bad_args: list[tuple[str, str, bytes, str]] = [
+            ("-1", "0", b"", "2"),
+            ("1", "x", b"", "2"),
+            ("1", "0", b"0", "0"),
+        ]
+        for bad in bad_args:
+            with pytest.raises(redis.ResponseError, match="void_parked takes"):
+                void_parked(SLOW, *bad)
+        free = next(entry for entry in client.zrange(keys[1], 0, -1) if FREE.encode() in entry)
+        with pytest.raises(redis.ResponseError, match="void_parked takes"):
+            void_parked(SLOW, "1", "0", free, "2")  # not SLOW's entry
+        with pytest.raises(redis.ResponseError, match="not a parked request"):
+            client.eval(load_script("park.lua"), 2, *keys, "0", b"a" + void[0][1:])
+
+
+@async_test
+async def test_a_voiding_brings_back_the_requests_parked_in_memory_with_moments_it_voids() -> None:
+    """As above, in this process (any scheduler but scrapy-redis's)."""
+    store = MemoryParking(keep_into=None)
+    now, heard = asyncio.get_running_loop().time(), time.time()
+    parks = [
+        *((f"void-{n}", SLOW, 10 * n + 10, True, heard - 1) for n in range(5)),
+        ("reserved-after", SLOW, 20, True, heard + 0.5),
+        ("due-after-its-end", SLOW, 100, True, heard - 1),
+        ("another-key", FREE, 10, True, heard - 1),
+        ("not-reserved", SLOW, 10, False, heard - 1),
+    ]
+    for path, key, delay, reserved, reserved_at in parks:
+        ticket = Ticket(key, now + delay, reserved, False, reserved_at, reserved_at)
+        await store.park(Request(f"http://{key}/{path}"), ticket)
+
+    assert await store.release_voided(SLOW, heard, now + 60) == 5
+    assert await store.release_voided(SLOW, heard, now + 60) == 0
+    due, next_due = await store.unpark(0, 100)
+    assert sorted(request.url for request, _ in due) == [
+        f"http://{SLOW}/void-{n}" for n in range(5)
+    ]
+    assert all(not ticket.reserved and ticket.due <= now + 1 for _, ticket in due)
+    assert next_due is not None
+    assert 9 < next_due <= 10
+    assert store.parked == 4
+
+
+@pytest.mark.parametrize("scheduler", ["scrapy", "scrapy-redis-priority"])
+@async_test
+async def test_a_limit_raised_live_brings_parked_requests_back_at_once(
+    redis_server: RedisServer, site: DemoSite, scheduler: str
+) -> None:
+    """A limit changed live voids the moments reserved before: the requests parked with them
+    come back and ask again at once, as held ones do, instead of waiting for their old moments
+    (here 10 to 50 s away) to learn it."""
+    runner = CrawlerRunner(crawl_settings(redis_server.url, **SCHEDULERS[scheduler]))
+    crawler = runner.create_crawler(UrlListSpider)
+    crawl = runner.crawl(
+        crawler, requests=requests(site, SLOW, 6), redis_throttle_rates={SLOW: "1/10s"}
+    )
+    stats = crawler.stats
+    try:
+        await wait_until_async(
+            lambda: stats.get_value("redis_throttle/parked", 0) == 5, "5 requests parked"
+        )
+        with redis_server.client() as client:
+            LiveControl(client, "redis_throttle").set(SLOW, 20, 1)
+        await wait_until_async(
+            lambda: len(site.arrivals(SLOW)) == 6,
+            "the parked requests back before their old moments",
+            timeout=9,
+        )
+    except BaseException:
+        await crawler.stop_async()  # not 50 s more into the next test
+        raise
+    await maybe_deferred_to_future(crawl)
+    assert stats.get_value("redis_throttle/paused_reservations") == 5
+    assert_paced([a.time for a in site.arrivals(SLOW)][1:], rate=20, burst=1, what=SLOW)

@@ -359,7 +359,9 @@ async def test_one_read_of_a_domains_last_voiding_serves_every_request_of_it(
     serves every later request of that domain, since the channel tells what comes after."""
     config = ThrottleConfig.from_settings(Settings({"REDIS_THROTTLE_URL": redis_server.url}))
     client = connect(config)
-    pauses = Pauses(client, "ch", MemoryStatsCollector(get_crawler()), dict, lambda _key: None)
+    pauses = Pauses(
+        client, "ch", MemoryStatsCollector(get_crawler()), dict, lambda _key: None, lambda *_: None
+    )
     try:
         before = time.time()
         await pauses.start()
