@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from weakref import WeakKeyDictionary, WeakSet
 
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from scrapy.utils.defer import deferred_from_coro, maybe_deferred_to_future
 from scrapy.utils.request import request_from_dict
@@ -399,6 +400,7 @@ class ParkingArea:
         self._stopping = False
         self._parks_done = 0
         self._next_look = 0.0  # loop time of the release loop's next look, while it waits
+        self._unpark_failing = False
         # Voidings not yet passed on to the store: throttle key -> (heard, until).
         self._voidings: dict[str, tuple[float, float]] = {}
         self._concurrency = crawler.settings.getint("CONCURRENT_REQUESTS")
@@ -550,11 +552,27 @@ class ParkingArea:
         if not room:
             return BUSY_RETRY
         parks_before = self._parks_done
+        retry = self.store.poll_interval or 1.0
         try:
             due, next_due = await self.store.unpark(RELEASE_AHEAD, room)
+        except (RedisError, OSError) as exc:
+            # Once per failure, not at every look: the parked requests wait in Redis meanwhile.
+            if not self._unpark_failing:
+                self._unpark_failing = True
+                logger.warning(
+                    "Redis throttle: could not look for parked requests (%s: %s); trying again "
+                    "every %g s",
+                    type(exc).__name__,
+                    exc,
+                    retry,
+                )
+            return retry
         except Exception:
             logger.exception("Redis throttle: could not look for parked requests")
-            return self.store.poll_interval or 1.0
+            return retry
+        if self._unpark_failing:
+            self._unpark_failing = False
+            logger.info("Redis throttle: parked requests can be looked for again")
         if self._parks_done != parks_before:
             self._wake_up.set()  # a park crossed this look: look again, its count may be missing
         for request, ticket in due:

@@ -284,6 +284,10 @@ async def test_a_request_whose_park_failed_waits_in_the_downloader_not_parked_ag
     failures = [r for r in caplog.records if "could not park" in r.getMessage()]
     assert stats["redis_throttle/park_requests"] == 2
     assert len(failures) == 2, [r.getMessage() for r in failures]
+    # Every look for parked requests fails too (WRONGTYPE), for seconds: said once.
+    looks = [r.getMessage() for r in caplog.records if "look for parked" in r.getMessage()]
+    assert len(looks) == 1, looks
+    assert "WRONGTYPE" in looks[0]
     assert "redis_throttle/parked" not in stats
     assert sorted(a.path for a in site.arrivals(SLOW)) == [f"/page/{n}" for n in range(3)]
     assert_paced([a.time for a in site.arrivals(SLOW)], rate=0.5, burst=1, what=SLOW)
