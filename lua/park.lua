@@ -29,7 +29,8 @@ end
 
 local time = redis.call("TIME")
 local now = (tonumber(time[1]) - 1704067200) * 1000000 + tonumber(time[2])
-local due = string.format("%017.0f", now + delay)
+-- 17 digits, for the index's order: at most ~3,000 years from 2024.
+local due = string.format("%017.0f", math.min(now + delay, 99999999999999999))
 redis.call("ZADD", KEYS[1], due, member)
 if string.sub(member, 1, 1) == "r" then
   redis.call("ZADD", KEYS[2], 0, string.sub(member, 34, 38 + length) .. due

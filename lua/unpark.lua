@@ -31,8 +31,14 @@ local time = redis.call("TIME")
 local now = (tonumber(time[1]) - 1704067200) * 1000000 + tonumber(time[2])
 local due
 if ARGV[3] then
-  local score = redis.call("ZSCORE", KEYS[1], ARGV[3])
-  due = score and {ARGV[3], score} or {}
+  -- Also under the name void_parked.lua gives it, if a voiding came first.
+  due = {}
+  for _, member in ipairs({ARGV[3], "a" .. string.sub(ARGV[3], 2)}) do
+    local score = redis.call("ZSCORE", KEYS[1], member)
+    if score then
+      due = {member, score}
+    end
+  end
 else
   due = redis.call("ZRANGEBYSCORE", KEYS[1], "-inf", string.format("%.0f", now + ahead),
     "WITHSCORES", "LIMIT", 0, limit)

@@ -78,11 +78,13 @@ REDIS_POLL_INTERVAL = 0.25
 # again, see void_parked.lua).
 _INDEXED, _NOT_INDEXED, _ASKS_AGAIN = b"r", b"u", b"a"
 _KEY_DIGITS = 5
+# Members parked by earlier versions (before the index of moments): a 16-byte id, then the
+# serialized request.
+_OLD_ID_BYTES = 16
 # Index entries that one call of void_parked.lua looks at, at most.
 VOID_BATCH = 100
-# For the few plain commands (ZREM of a failed park, ZCARD and DEL at the close): the scripts
-# have a connection each.
-PARKING_CONNECTIONS = 2
+# For the plain commands (ZCARD and DEL at the close): the scripts have a connection each.
+PARKING_CONNECTIONS = 1
 # Tries to make sure a request whose parking failed is not parked after all.
 FORGET_ATTEMPTS = 5
 # How soon to look again when the engine could take no request.
@@ -267,7 +269,7 @@ class RedisParking:
         delay = max(0.0, ticket.due - asyncio.get_running_loop().time())
         wire = request.replace(meta={**request.meta, TICKET_META: ticket.to_wire()})
         encoded = self._serializer.dumps(wire.to_dict(spider=self._spider))
-        key = _key_bytes(ticket.key)
+        key, reserved_at = _key_bytes(ticket.key), ticket.reserved_at * 1e6
         if len(key) >= 10**_KEY_DIGITS:
             key = b""  # (a key from meta) too long to index: its request waits for its moment
         member = b"".join(
@@ -275,7 +277,8 @@ class RedisParking:
                 # Indexed by its moment when it has one that a voiding may reach (see park.lua).
                 _INDEXED if ticket.reserved and key else _NOT_INDEXED,
                 uuid.uuid4().hex.encode(),  # two equal requests must stay two members
-                b"%05d%s%016d" % (len(key), key, int(ticket.reserved_at * 1e6)),
+                # (A reserved_at read back from Redis may be anything: 16 digits, whatever.)
+                b"%05d%s%016d" % (len(key), key, min(max(int(reserved_at), 0), 10**16 - 1)),
                 encoded.encode() if isinstance(encoded, str) else encoded,
             )
         )
@@ -370,12 +373,18 @@ def _key_bytes(key: str) -> bytes:
 
 def read_member(member: bytes) -> tuple[bytes, str, bytes]:
     """The flag, throttle key and serialized request of a member of the parking set (see
-    park.lua): ValueError when it is not one."""
+    park.lua); a member of the form before it (:data:`_OLD_ID_BYTES`) counts as not indexed."""
     flag, length = member[:1], member[33:38]
-    if flag not in (_INDEXED, _NOT_INDEXED, _ASKS_AGAIN) or not length.isdigit():
-        raise ValueError(f"not a parked request: {member[:64]!r}")
+    if flag not in (_INDEXED, _NOT_INDEXED, _ASKS_AGAIN) or not (
+        _is_hex(member[1:33]) and length.isdigit()
+    ):
+        return _NOT_INDEXED, "", member[_OLD_ID_BYTES:]
     end = 38 + int(length)
     return flag, member[38:end].decode("utf-8", "surrogatepass"), member[end + 16 :]
+
+
+def _is_hex(data: bytes) -> bool:
+    return len(data) == 32 and all(byte in b"0123456789abcdef" for byte in data)
 
 
 class ParkingArea:
@@ -401,6 +410,7 @@ class ParkingArea:
         self._parks_done = 0
         self._next_look = 0.0  # loop time of the release loop's next look, while it waits
         self._unpark_failing = False
+        self._void_failing = False
         # Voidings not yet passed on to the store: throttle key -> (heard, until).
         self._voidings: dict[str, tuple[float, float]] = {}
         self._concurrency = crawler.settings.getint("CONCURRENT_REQUESTS")
@@ -524,19 +534,25 @@ class ParkingArea:
                 await asyncio.wait_for(self._wake_up.wait(), timeout)
 
     async def _release_voided(self) -> None:
-        while self._voidings:
-            key, (heard, until) = self._voidings.popitem()
+        # Those heard so far: the ones heard meanwhile wait for the next pass, after the due
+        # requests are given back (a flood of voidings must not hold those up).
+        voidings, self._voidings = self._voidings, {}
+        for key, (heard, until) in voidings.items():
             try:
                 released = await self.store.release_voided(key, heard, until)
             except Exception as exc:
-                logger.warning(
-                    "Redis throttle: requests parked for %r with moments just voided ask again "
-                    "only at those moments: could not bring them back at once (%s: %s)",
-                    key,
-                    type(exc).__name__,
-                    exc,
-                )
+                # Once per failure: they ask again at their old moments meanwhile, still safe.
+                if not self._void_failing:
+                    self._void_failing = True
+                    logger.warning(
+                        "Redis throttle: could not bring back the parked requests whose "
+                        "moments a pause or a change of rate voided (%s: %s); until this "
+                        "works, they ask again at their old moments",
+                        type(exc).__name__,
+                        exc,
+                    )
                 continue
+            self._void_failing = False
             if released:
                 self._crawler.stats.inc_value(f"{STATS_PREFIX}/paused_reservations", released)
                 logger.debug(

@@ -54,6 +54,8 @@ CLOCK_MARGIN = 1.0
 # How long the start waits for the first subscription, so that the first requests need not
 # read the pauses they might have missed from Redis.
 FIRST_SUBSCRIPTION_WAIT = 1.0
+# A pause in a message is at most this many digits of µs (~30 years): a longer one is not ours.
+MAX_PAUSE_DIGITS = 15
 # Keys whose voiding was read from Redis, at the most (see Pauses.read).
 READS_KEPT = 10_000
 # A pause heard and ending within this much of one already known is that one (read again from
@@ -115,6 +117,7 @@ class Pauses:
         # Wall time of the last read of each key's voiding from Redis, while listening.
         self._read_at: dict[str, float] = {}
         self._subscribed = asyncio.Event()
+        self._bad_message_logged = False
 
     async def start(self) -> None:
         """Listen, and wait a little for the subscription to be in force."""
@@ -248,5 +251,18 @@ class Pauses:
 
     def _received(self, data: bytes) -> None:
         pause_us, _, key = data.decode("utf-8", "surrogateescape").partition(" ")
-        with suppress(ValueError):
+        # Anyone who may publish on the channel can send anything: a bad message voids nothing.
+        if pause_us.isascii() and pause_us.isdigit() and len(pause_us) <= MAX_PAUSE_DIGITS and key:
             self.pause(key, int(pause_us) / 1e6)
+            return
+        self._stats.inc_value(f"{STATS_PREFIX}/bad_messages")
+        if not self._bad_message_logged:
+            self._bad_message_logged = True
+            logger.warning(
+                "Redis throttle: ignored a message on %s that is not a pause: %r (logged once; "
+                "counted in %s/bad_messages)",
+                self._channel,
+                data[:200],
+                STATS_PREFIX,
+                extra=self._log_extra(),
+            )

@@ -341,6 +341,14 @@ def test_a_voiding_brings_back_the_requests_parked_in_redis_with_moments_it_void
             ("1", "x", b"", "2"),
             ("1", "0", b"0", "0"),
         ]
+        # A park whose reply was lost is taken out (unpark.lua's ARGV[3]), even once voided.
+        lost = member(b"r", SLOW, b"reply lost", heard - 1)
+        client.eval(load_script("park.lua"), 2, *keys, "5000000", lost)
+        assert voiding() == (1, 2)
+        taken = client.eval(load_script("unpark.lua"), 2, *keys, "0", "1", lost)
+        assert taken[2] == b"a" + lost[1:]
+        assert client.zcard(keys[0]) == 4
+        assert client.zcard(keys[1]) == 3
         for bad in bad_args:
             with pytest.raises(redis.ResponseError, match="void_parked takes"):
                 void_parked(SLOW, *bad)
@@ -349,6 +357,14 @@ def test_a_voiding_brings_back_the_requests_parked_in_redis_with_moments_it_void
             void_parked(SLOW, "1", "0", free, "2")  # not SLOW's entry
         with pytest.raises(redis.ResponseError, match="not a parked request"):
             client.eval(load_script("park.lua"), 2, *keys, "0", b"a" + void[0][1:])
+
+
+def test_requests_parked_by_earlier_versions_are_read_as_not_reserved() -> None:
+    """Before the index of moments, a member was a 16-byte id and the serialized request."""
+    old = uuid.uuid4().bytes + b"\x80\x04serialized"
+    assert read_member(old) == (b"u", "", b"\x80\x04serialized")
+    new = member(b"r", SLOW, b"\x80\x04serialized")
+    assert read_member(new) == (b"r", SLOW, b"\x80\x04serialized")
 
 
 @async_test

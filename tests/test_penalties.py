@@ -386,6 +386,37 @@ async def test_one_read_of_a_domains_last_voiding_serves_every_request_of_it(
 
 
 @async_test
+async def test_messages_that_are_not_pauses_are_counted_and_void_nothing(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Anyone who may publish on the channel can send anything: huge, negative, non-ASCII or
+    empty pauses, no domain. Each is counted, the first logged; none voids anything, and the
+    listener goes on to hear the next real pause."""
+    caplog.set_level(logging.WARNING, logger="scrapy_redis_throttle")
+    config = ThrottleConfig.from_settings(Settings({"REDIS_THROTTLE_URL": redis_server.url}))
+    client = connect(config)
+    stats = MemoryStatsCollector(get_crawler())
+    voided: list[str] = []
+    pauses = Pauses(
+        client, "ch", stats, dict, lambda _key: None, lambda key, *_: voided.append(key)
+    )
+    bad = [b"1" + b"0" * 400 + b" a.example", b"-5 a.example", "²³ a.example".encode(), b"", b"7"]
+    try:
+        await pauses.start()
+        with redis_server.client() as publisher:
+            for message in [*bad, b"2000000 b.example"]:
+                publisher.publish("ch", message)
+        await wait_until_async(lambda: pauses.paused_for("b.example") > 0, "the real pause")
+    finally:
+        pauses.stop()
+        await close(client)
+    assert voided == ["b.example"]
+    assert stats.get_value("redis_throttle/bad_messages") == len(bad)
+    warnings = [r.getMessage() for r in caplog.records if "not a pause" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+
+
+@async_test
 async def test_without_redis_a_429_pauses_the_worker_that_got_it(
     own_redis: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
