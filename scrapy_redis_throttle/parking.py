@@ -540,7 +540,7 @@ class ParkingArea:
         for key, (heard, until) in voidings.items():
             try:
                 released = await self.store.release_voided(key, heard, until)
-            except Exception as exc:
+            except (RedisError, OSError) as exc:
                 # Once per failure: they ask again at their old moments meanwhile, still safe.
                 if not self._void_failing:
                     self._void_failing = True
@@ -551,6 +551,9 @@ class ParkingArea:
                         type(exc).__name__,
                         exc,
                     )
+                continue
+            except Exception:
+                logger.exception("Redis throttle: could not bring back voided parked requests")
                 continue
             self._void_failing = False
             if released:
