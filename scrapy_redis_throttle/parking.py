@@ -269,9 +269,7 @@ class RedisParking:
         delay = max(0.0, ticket.due - asyncio.get_running_loop().time())
         wire = request.replace(meta={**request.meta, TICKET_META: ticket.to_wire()})
         encoded = self._serializer.dumps(wire.to_dict(spider=self._spider))
-        key, reserved_at = _key_bytes(ticket.key), ticket.reserved_at * 1e6
-        if len(key) >= 10**_KEY_DIGITS:
-            key = b""  # (a key from meta) too long to index: its request waits for its moment
+        key, reserved_at = _indexed_key(ticket.key), ticket.reserved_at * 1e6
         member = b"".join(
             (
                 # Indexed by its moment when it has one that a voiding may reach (see park.lua).
@@ -332,8 +330,8 @@ class RedisParking:
         return due, (next_due / 1000 if next_due >= 0 else None)
 
     async def release_voided(self, key: str, heard: float, until: float) -> int:
-        key_bytes = _key_bytes(key)
-        if len(key_bytes) >= 10**_KEY_DIGITS:
+        key_bytes = _indexed_key(key)
+        if not key_bytes:
             return 0  # never indexed (see park)
         # Parked by any worker of the fleet, whose clock may differ from this one's.
         reserved_before = b"%d" % max(0, int((heard + CLOCK_MARGIN) * 1e6))
@@ -366,9 +364,12 @@ def moments_key(key: str) -> str:
     return f"{key}:moments"
 
 
-def _key_bytes(key: str) -> bytes:
-    # Any str, even one with lone surrogates (a key from meta), and always the same bytes.
-    return key.encode("utf-8", "surrogatepass")
+def _indexed_key(key: str) -> bytes:
+    """*key* as the index of moments has it (see park.lua): b"" for a key (from meta) too long
+    to index, whose requests wait for their moments to learn of a voiding."""
+    # Any str, even one with lone surrogates, and always the same bytes.
+    encoded = key.encode("utf-8", "surrogatepass")
+    return encoded if len(encoded) < 10**_KEY_DIGITS else b""
 
 
 def read_member(member: bytes) -> tuple[bytes, str, bytes]:
