@@ -75,6 +75,10 @@ class TcpProxy:
     * latency: seconds by which every chunk of bytes is held back, in each direction (a request
       and its reply: 2 * latency more per round trip). Bytes keep their order; a new value
       applies to bytes read from then on.
+    * late_replies = (every, delay): every n-th chunk from the server on each connection (a
+      reply, on a link that is not busy) is held back *delay* seconds more, and the bytes after
+      it wait behind it, like a client that reads some replies late (a busy process does). The
+      requests and the other replies are not held. None (the default): none is.
     * drop_connections(): abort every open connection, both sides, with a RST. New connections
       are served as before.
     * refuse(True): drop every open connection and RST every new one right after accepting it,
@@ -91,6 +95,7 @@ class TcpProxy:
     def __init__(self, target_port: int, target_host: str = "127.0.0.1") -> None:
         self.target = (target_host, target_port)
         self.latency = 0.0
+        self.late_replies: tuple[int, float] | None = None
         self.connections_accepted = 0
         self._refusing = False
         self._blackholed = False
@@ -162,18 +167,25 @@ class TcpProxy:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             link = _Link(client, upstream)
             link.threads = [
-                threading.Thread(target=self._pump, args=(link, src, dst), name=f"tcp-proxy-{n}")
-                for n, src, dst in (("up", client, upstream), ("down", upstream, client))
+                threading.Thread(
+                    target=self._pump, args=(link, src, dst, replies), name=f"tcp-proxy-{n}"
+                )
+                for n, src, dst, replies in (
+                    ("up", client, upstream, False),
+                    ("down", upstream, client, True),
+                )
             ]
             with self._lock:  # started under the lock: drop_connections() joins only started pumps
                 self._links.add(link)
                 for thread in link.threads:
                     thread.start()
 
-    def _pump(self, link: _Link, src: socket.socket, dst: socket.socket) -> None:
-        """Move bytes from src to dst, each chunk no earlier than latency after it was read."""
+    def _pump(self, link: _Link, src: socket.socket, dst: socket.socket, replies: bool) -> None:
+        """Move bytes from src to dst, each chunk no earlier than latency after it was read (and
+        late_replies's delay, for every n-th chunk of the *replies*)."""
         held: deque[tuple[float, bytes]] = deque()  # (when to send, bytes), in order
         eof = False
+        chunks = 0
         try:
             while not (link.closing or self._stopping.is_set() or (eof and not held)):
                 now = time.monotonic()
@@ -187,7 +199,12 @@ class TcpProxy:
                     if not data:
                         eof = True
                     elif not self._blackholed:
-                        held.append((time.monotonic() + self.latency, data))
+                        chunks += 1
+                        when = time.monotonic() + self.latency
+                        late = self.late_replies if replies else None
+                        if late is not None and chunks % late[0] == 0:
+                            when += late[1]
+                        held.append((when, data))  # behind the bytes ahead of it
                 if writable:
                     when, data = held.popleft()
                     try:

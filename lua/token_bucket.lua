@@ -28,8 +28,8 @@
 -- nothing is taken from any of them when one refuses, and the wait is the longest (or longer:
 -- until a fixed window with room for it).
 --
--- Returns {status, retry_after_us, reset_after_us[, remaining]}, integers (cheaper for Redis to
--- reply than formatted floats; a microsecond is far below any rate's precision):
+-- Returns {status, retry_after_us, reset_after_us, now_us[, remaining]}, integers (cheaper for
+-- Redis to reply than formatted floats; a microsecond is far below any rate's precision):
 --   status          1: the request may go now (its tokens are taken);
 --                   2: reserved, it must go in retry_after_us (its tokens are taken);
 --                   0: refused, nothing is taken; it could go in retry_after_us;
@@ -38,6 +38,9 @@
 --   retry_after_us  how long until the request may go (0 when it may go now)
 --   reset_after_us  how long until the bucket is full again (the key's expiry); the caller
 --                   derives the tokens left from it: burst - reset_after_us / interval
+--   now_us          when the script decided, by Redis's clock (µs since 2024-01-01): the
+--                   caller counts the times above from then, not from when it read the reply
+--                   (which may be late), so that its request goes at the moment Redis gave it
 --   remaining       with more limits: the requests they allow after this one, now (0 when it
 --                   must wait)
 
@@ -95,7 +98,7 @@ if state and not tat then
   tat, live, rate, live_burst, paused, live_limits =
     string.match(state, "^(%d+)( (%S+) (%S+) ([01]) ?(%S*))$")
   if paused == "1" then
-    return {3, 0, 0}
+    return {3, 0, 0, now}
   end
   tat, live = tonumber(tat), live or ""
   if tonumber(rate) then
@@ -125,7 +128,7 @@ elseif not live_limits and ARGV[6] then
   end
 end
 if limits and not KEYS[4] then
-  return {4, 0, 0}
+  return {4, 0, 0, now}
 end
 
 if KEYS[2] then
@@ -211,9 +214,9 @@ end
 
 if wait > reserve then
   if limits then
-    return {0, wait, math.ceil(tat - now), 0}
+    return {0, wait, math.ceil(tat - now), now, 0}
   end
-  return {0, wait, math.ceil(tat - now)}
+  return {0, wait, math.ceil(tat - now), now}
 end
 
 local moment = now + wait
@@ -227,7 +230,7 @@ else
   redis.call("SET", KEYS[1], string.format("%d", new_tat) .. live)  -- lives as long as its limit
 end
 if not limits then
-  return {wait > 0 and 2 or 1, wait, reset_after}
+  return {wait > 0 and 2 or 1, wait, reset_after, now}
 end
 
 -- The requests each quota allows after this one, now (none when it must wait).
@@ -274,4 +277,4 @@ if longest_window > 0 then
   local last = redis.call("ZRANGE", KEYS[4], -1, -1, "WITHSCORES")[2]
   redis.call("PEXPIRE", KEYS[4], math.ceil((tonumber(last) + longest_window - now) / 1000))
 end
-return {wait > 0 and 2 or 1, wait, reset_after, math.floor(math.max(0, remaining))}
+return {wait > 0 and 2 or 1, wait, reset_after, now, math.floor(math.max(0, remaining))}

@@ -12,9 +12,10 @@
 -- ARGV[3]  (optional) a member: take out only this one, if it is parked, whenever it is due
 --          (a park whose reply was lost must not stay parked: its request waits elsewhere)
 --
--- Returns {parked_left, next_due_ms, member_1, due_in_ms_1, member_2, due_in_ms_2, ...}:
--- next_due_ms is how long until the next request left is due ("-1" when none is left);
--- due_in_ms is negative for a request already overdue.
+-- Returns {parked_left, next_due_ms, now_us, member_1, due_in_ms_1, member_2, due_in_ms_2, ...}:
+-- next_due_ms is how long until the next request left is due ("-1" when none is left); now_us
+-- is when the script ran, by Redis's clock (µs since 2024-01-01), from when the caller counts
+-- the due_in_ms (a reply may be read late); due_in_ms is negative for a request already overdue.
 
 local ahead = tonumber(ARGV[1])
 if ahead == nil or ahead ~= ahead or ahead < 0 or ahead == math.huge then
@@ -43,7 +44,7 @@ else
   due = redis.call("ZRANGEBYSCORE", KEYS[1], "-inf", string.format("%.0f", now + ahead),
     "WITHSCORES", "LIMIT", 0, limit)
 end
-local reply = {0, "-1"}
+local reply = {0, "-1", now}
 for i = 1, #due, 2 do
   local member, score = due[i], tonumber(due[i + 1])
   redis.call("ZREM", KEYS[1], member)

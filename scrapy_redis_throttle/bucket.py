@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from .config import Adaptive, Backoff, Limit, Quota
 from .scripts import lua_script
+from .server_clock import ServerClock
 
 if TYPE_CHECKING:
     from .connection import ThrottleRedis
@@ -30,18 +32,27 @@ class AcquireResult:
     paused: bool = False
     """The domain is paused (set live), or this worker waits for a failed Redis: the request
     asks again in ``retry_after`` seconds."""
+    decided_at: float | None = None
+    """When Redis decided (loop time, see :class:`.ServerClock`): ``retry_after`` and
+    ``reset_after`` count from then. None: decided in this process, as it was returned."""
+
+    def decided(self, now: float) -> float:
+        """When it was decided, by the loop's clock at *now*."""
+        return now if self.decided_at is None else self.decided_at
 
 
 # How often the requests of a domain paused live ask whether it was resumed.
 PAUSED_POLL = 2.0
 
 
-def parse_reply(reply: list[Any], limit: Limit) -> AcquireResult:
-    """The result of ``token_bucket.lua``'s reply (integers: status and microseconds, and the
-    requests the quotas allow when it checked some)."""
-    status, retry_after_us, reset_after_us, *quotas_left = reply
+def parse_reply(reply: list[Any], limit: Limit, decided_at: float | None = None) -> AcquireResult:
+    """The result of ``token_bucket.lua``'s reply (integers: status, microseconds, Redis's time,
+    and the requests the quotas allow when it checked some), decided at *decided_at*."""
+    status, retry_after_us, reset_after_us, _, *quotas_left = reply
     if status == 3:
-        return AcquireResult(False, False, 0.0, PAUSED_POLL, 0.0, paused=True)
+        return AcquireResult(
+            False, False, 0.0, PAUSED_POLL, 0.0, paused=True, decided_at=decided_at
+        )
     return AcquireResult(
         allowed=status == 1,
         reserved=status == 2,
@@ -50,6 +61,7 @@ def parse_reply(reply: list[Any], limit: Limit) -> AcquireResult:
         ),
         retry_after=retry_after_us / 1e6,
         reset_after=reset_after_us / 1e6,
+        decided_at=decided_at,
     )
 
 
@@ -182,10 +194,13 @@ class TokenBucket:
     """Per-domain token buckets stored in one Redis, shared by every process that uses it."""
 
     def __init__(self, redis: ThrottleRedis, key_prefix: str, adaptive: bool = False) -> None:
+        self._redis = redis
         self._key_prefix = key_prefix
         self._adaptive = adaptive
         self._live_quotas: set[str] = set()
         """Domains whose limit set live has quotas (or had)."""
+        self._clock = ServerClock()
+        """Redis's clock, from the acquires' replies."""
         self._script = lua_script(redis, "token_bucket.lua")
         self._penalty_script = lua_script(redis, "penalty.lua")
         self._slow_down_script = lua_script(redis, "slow_down.lua")
@@ -205,13 +220,20 @@ class TokenBucket:
             keys = [key, key + RATE_SUFFIX, key + QUOTA_SUFFIX, key + LOG_SUFFIX]
         else:
             keys = [key, key + RATE_SUFFIX] if self._adaptive else [key]
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
         reply: list[Any] = await self._script(keys=keys, args=args)
+        read = loop.time()
         if reply[0] == QUOTA_KEYS_NEEDED:
             # Remembered: the domain's calls pass the quotas' keys from now on (an unused key
             # costs the script nothing).
             self._live_quotas.add(domain)
             return await self.acquire(domain, limit, cost, reserve, busy_for)
-        return parse_reply(reply, limit)
+        return parse_reply(reply, limit, self._clock.decided_at(sent, read, reply[3]))
+
+    async def read_time(self) -> None:
+        """Learn Redis's clock before the first acquire (see :meth:`.ServerClock.read_time`)."""
+        await self._clock.read_time(self._redis)
 
     async def penalize(
         self, domain: str, limit: Limit, retry_after: float | None, backoff: Backoff

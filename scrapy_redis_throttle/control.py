@@ -25,13 +25,12 @@ from .bucket import (
 )
 from .config import ALGORITHM_CODES, TOKEN_BUCKET, Quota, format_rate
 from .scripts import load_script
+from .server_clock import SCRIPT_EPOCH
 
 if TYPE_CHECKING:
     import redis
     import redis.cluster
 
-# The scripts count time in µs from this epoch (see lua/token_bucket.lua).
-SCRIPT_EPOCH = 1704067200
 # How many bucket keys one SCAN call looks at.
 SCAN_COUNT = 1000
 

@@ -51,6 +51,7 @@ from .connection import connect_url
 from .penalties import CLOCK_MARGIN
 from .resilience import STATS_PREFIX
 from .scripts import lua_script
+from .server_clock import ServerClock
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -264,9 +265,13 @@ class RedisParking:
         self._park_script = lua_script(redis, "park.lua")
         self._unpark_script = lua_script(redis, "unpark.lua")
         self._void_script = lua_script(redis, "void_parked.lua")
+        self._clock = ServerClock()  # scrapy-redis's Redis's, not the throttle's
 
     async def park(self, request: Request, ticket: Ticket) -> None:
-        delay = max(0.0, ticket.due - asyncio.get_running_loop().time())
+        now = asyncio.get_running_loop().time()
+        delay = max(0.0, ticket.due - now)
+        # The call may wait for the connection (see park.lua's ARGV[3]).
+        asked = self._clock.server_us(now)
         wire = request.replace(meta={**request.meta, TICKET_META: ticket.to_wire()})
         encoded = self._serializer.dumps(wire.to_dict(spider=self._spider))
         key, reserved_at = _indexed_key(ticket.key), ticket.reserved_at * 1e6
@@ -282,7 +287,8 @@ class RedisParking:
         )
         try:
             reply = await self._park_script(
-                keys=[self.key, self.index_key], args=[repr(delay * 1e6), member]
+                keys=[self.key, self.index_key],
+                args=[repr(delay * 1e6), member, *([] if asked is None else [repr(asked)])],
             )
         except (RedisConnectionError, RedisTimeoutError):
             # The reply is lost, not necessarily the park: make sure the request is not in the
@@ -307,14 +313,20 @@ class RedisParking:
         )
 
     async def unpark(self, ahead: float, limit: int) -> tuple[list[Parked], float | None]:
+        if not self._clock.known:
+            await self._clock.read_time(self._redis)
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
         reply = await self._unpark_script(
             keys=[self.key, self.index_key], args=[repr(ahead * 1e6), limit]
         )
+        read = loop.time()
         self.parked = int(reply[0])
         next_due = float(reply[1])
-        now = asyncio.get_running_loop().time()
+        # The dues count from when Redis answered, not from when its reply was read.
+        now = self._clock.decided_at(sent, read, float(reply[2]))
         due = []
-        for member, due_in_ms in zip(reply[2::2], reply[3::2], strict=True):
+        for member, due_in_ms in zip(reply[3::2], reply[4::2], strict=True):
             try:
                 flag, key, encoded = read_member(member)
                 request = request_from_dict(self._serializer.loads(encoded), spider=self._spider)

@@ -135,9 +135,9 @@ class LocalBuckets:
     While Redis answers, :meth:`follow` records when each domain's shared bucket is full again;
     a fallback starts from there, so that tokens reserved in Redis before the outage are not
     spent a second time locally. The other way round, :meth:`busy_for` tells Redis how long
-    this process sees the bucket busy: once Redis is back, the tokens taken locally; while it
-    answers, its replies' view, which is later than Redis's by how late they came, so that the
-    requests of replies that came late are not squeezed by those of replies that came fast.
+    this process sees the bucket busy: once Redis is back, the tokens taken locally (while it
+    answers, its replies' view is Redis's own: their times count from when Redis decided, see
+    :class:`.ServerClock`). The clock is the event loop's (both are ``time.monotonic``).
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
@@ -150,7 +150,8 @@ class LocalBuckets:
 
     def follow(self, domain: str, shared: AcquireResult) -> None:
         now = self._clock()
-        self._full_at[domain] = max(self._full_at.get(domain, now), now + shared.reset_after)
+        full_at = shared.decided(now) + shared.reset_after
+        self._full_at[domain] = max(self._full_at.get(domain, now), full_at)
         self._prune(now)
 
     def snapshot(self) -> LocalBuckets:
@@ -249,9 +250,10 @@ class ResilientBucket:
 
     async def check(self) -> None:
         """PING Redis at start-up, so that an unavailable Redis is reported before the first
-        request (and the first requests go by the policy at once)."""
+        request (and the first requests go by the policy at once), and read its clock."""
         try:
             await ping(self._redis)
+            await self._bucket.read_time()
         except RedisError as exc:
             self._failed(exc)
 

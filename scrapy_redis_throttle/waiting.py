@@ -27,8 +27,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # A request that cannot go within this long after its reserved moment (given back late by the
-# parking area, or woken late by a busy process) asks for a new one: going that late would
-# squeeze it against the requests of the moments after its own, at the site.
+# parking area, woken late by a busy process, or whose answer was read late, even one that let
+# it go at once) asks for a new one: going that late would squeeze it against the requests of
+# the moments after its own, at the site.
 MISSED_AFTER = 0.05
 # A timer may fire this early (the loop's clock resolution): the moment has come.
 MOMENT_SLACK = 0.001
@@ -86,6 +87,7 @@ class Turns:
                 asked_at = time.time()
                 grant = await self._budget.acquire(key, limit, cost)
                 result = grant.result
+                decided = result.decided(asyncio.get_running_loop().time())
                 delayed = delayed or grant.waited_for_redis
                 paused = 0.0 if grant.shared else self._pauses.paused_for(key)
                 if paused:
@@ -94,6 +96,10 @@ class Turns:
                     await sleep(paused)
                     continue
                 if result.allowed:
+                    if self._missed(key, decided):
+                        # Read too late to go now (see MISSED_AFTER): its token is spent.
+                        delayed = True
+                        continue
                     self._went(request, key, since, delayed)
                     return None
                 if result.paused and grant.shared:
@@ -120,7 +126,7 @@ class Turns:
                 )
                 delayed = True
                 if result.reserved:
-                    moment = asyncio.get_running_loop().time() + result.retry_after
+                    moment = decided + result.retry_after
                     if await self._hold_until(key, moment, asked_at, local=not grant.shared):
                         self._went(request, key, since, delayed)
                         return None
@@ -146,9 +152,9 @@ class Turns:
         while True:
             await self._pauses.sleep(key, moment - loop.time())
             if (
-                self._missed(moment)
+                self._missed(key, moment)
                 or not await self._still_reserved(key, reserved_at, moment, elsewhere, local)
-                or self._missed(moment)  # Redis answered the voiding's read too late
+                or self._missed(key, moment)  # Redis answered the voiding's read too late
             ):
                 return False
             # Else woken early by a pause that does not void this moment (one that came after
@@ -156,11 +162,18 @@ class Turns:
             if loop.time() >= moment - MOMENT_SLACK:
                 return True
 
-    def _missed(self, moment: float) -> bool:
+    def _missed(self, key: str, moment: float) -> bool:
         """Whether it is over ``MISSED_AFTER`` too late to go at *moment* (counted)."""
-        if asyncio.get_running_loop().time() <= moment + MISSED_AFTER:
+        late = asyncio.get_running_loop().time() - moment
+        if late <= MISSED_AFTER:
             return False
         self._stats.inc_value(f"{STATS_PREFIX}/missed_moments")
+        logger.debug(
+            "Redis throttle: a request missed its moment for %(key)r by %(late).3f s (its worker "
+            "was busy): it asks for a new one",
+            {"key": key, "late": late},
+            extra=self._log_extra(),
+        )
         return True
 
     async def _still_reserved(
@@ -233,5 +246,5 @@ class Turns:
         )
         self._stats.inc_value(f"{STATS_PREFIX}/park_requests")
         self._activity.park(key, 1)
-        due = asyncio.get_running_loop().time() + delay
+        due = result.decided(asyncio.get_running_loop().time()) + delay
         return Ticket(key, due, result.reserved, not grant.shared, asked_at, since)

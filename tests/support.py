@@ -24,7 +24,7 @@ from spiders import BASE_SETTINGS, UrlListSpider
 from twisted.internet.defer import Deferred
 
 from scrapy_redis_throttle.bucket import TokenBucket
-from scrapy_redis_throttle.control import SCRIPT_EPOCH
+from scrapy_redis_throttle.server_clock import SCRIPT_EPOCH
 
 if TYPE_CHECKING:
     import redis

@@ -5,6 +5,8 @@ Pacing is measured where it matters: at the server, from the arrival time of eac
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import logging
 import subprocess
@@ -36,6 +38,7 @@ from support import (
     start_crawl_workers,
     wait_until_async,
 )
+from tcp_proxy import TcpProxy
 
 from scrapy_redis_throttle import Addon, RedisThrottleMiddleware, ThrottleConfigError
 
@@ -105,6 +108,33 @@ async def test_requests_woken_late_by_a_busy_worker_ask_for_new_moments(
     assert crawler.stats.get_value("test/responses") == 6
     assert crawler.stats.get_value("redis_throttle/missed_moments", 0) >= 3
     assert_paced(times(site, A), rate=5, burst=1, what=A)
+
+
+@async_test
+async def test_replies_read_late_keep_the_moments_redis_gave(
+    redis_server: RedisServer, site: DemoSite
+) -> None:
+    """Two workers share a domain at 5/s, one request at a time each. Every third reply of the
+    throttle's Redis reaches the first one 150 ms late (as a busy process reads some replies
+    late); the second reads its replies at once. A request still goes at the moment Redis gave
+    it, counted from when Redis decided, not from when its reply was read: it is not squeezed
+    against the other worker's next request (before this was so, 50 ms apart instead of 200)."""
+    with TcpProxy(redis_server.port) as proxy:
+        proxy.late_replies = (3, 0.15)
+        crawls = [
+            run_crawl(
+                crawl_settings(redis_server.url, REDIS_THROTTLE_URL=url, CONCURRENT_REQUESTS=1),
+                pages(site, A, 12, first=first),
+                redis_throttle_rates={A: "5/s"},
+            )
+            for url, first in ((proxy.url, 0), (redis_server.url, 12))
+        ]
+        crawlers = await asyncio.gather(*crawls)
+
+    assert [crawler.stats.get_value("test/responses") for crawler in crawlers] == [12, 12]
+    arrivals = times(site, A)
+    print("gaps (ms):", [round(1000 * (b - a)) for a, b in itertools.pairwise(arrivals)])
+    assert_paced(arrivals, rate=5, burst=1, what=A)
 
 
 @async_test

@@ -65,7 +65,7 @@ class Scripts:
 
     def acquire(self, args: list[str] = TEN_PER_SECOND) -> tuple[int, float]:
         """(status, seconds to wait) for the domain at 10/s (burst 1) unless set live."""
-        status, wait_us, _ = self.acquire_script(keys=[KEY], args=args)
+        status, wait_us, *_ = self.acquire_script(keys=[KEY], args=args)
         return status, wait_us / 1e6
 
 

@@ -27,6 +27,7 @@ from support import (
     assert_paced,
     async_test,
     crawl_settings,
+    redis_now_us,
     run_crawl,
     wait_until_async,
 )
@@ -217,12 +218,14 @@ def test_parked_requests_come_back_from_a_redis_out_of_memory(redis_server: Redi
         try:
             with pytest.raises(redis.exceptions.OutOfMemoryError):
                 client.eval(load_script("park.lua"), 2, *keys, "0", another)
+            before = redis_now_us(client)
             reply = client.eval(load_script("unpark.lua"), 2, *keys, "0", "10")
         finally:
             client.config_set("maxmemory", "0")
         assert client.exists(*keys) == 0, "the request and its moment are gone"
     assert reply[0] == 0, "none left"
-    assert reply[2] == request
+    assert reply[2] >= before, "Redis's time, in µs"
+    assert reply[3] == request
 
 
 @async_test
@@ -331,8 +334,8 @@ def test_a_voiding_brings_back_the_requests_parked_in_redis_with_moments_it_void
         assert voiding() == (0, 1), "the same voiding, heard by another worker"
         assert client.zcard(keys[1]) == 3
         reply = client.eval(load_script("unpark.lua"), 2, *keys, "0", "100")
-        assert sorted(reply[2::2]) == sorted(b"a" + parked[1:] for parked in void)
-        assert all(-1000 < float(due_in) <= 0 for due_in in reply[3::2]), "due now"
+        assert sorted(reply[3::2]) == sorted(b"a" + parked[1:] for parked in void)
+        assert all(-1000 < float(due_in) <= 0 for due_in in reply[4::2]), "due now"
         assert client.zcard(keys[0]) == 4
         assert client.zcard(keys[1]) == 3, "the others keep their moments"
 
@@ -346,7 +349,7 @@ def test_a_voiding_brings_back_the_requests_parked_in_redis_with_moments_it_void
         client.eval(load_script("park.lua"), 2, *keys, "5000000", lost)
         assert voiding() == (1, 2)
         taken = client.eval(load_script("unpark.lua"), 2, *keys, "0", "1", lost)
-        assert taken[2] == b"a" + lost[1:]
+        assert taken[3] == b"a" + lost[1:]
         assert client.zcard(keys[0]) == 4
         assert client.zcard(keys[1]) == 3
         for bad in bad_args:
@@ -357,6 +360,42 @@ def test_a_voiding_brings_back_the_requests_parked_in_redis_with_moments_it_void
             void_parked(SLOW, "1", "0", free, "2")  # not SLOW's entry
         with pytest.raises(redis.ResponseError, match="not a parked request"):
             client.eval(load_script("park.lua"), 2, *keys, "0", b"a" + void[0][1:])
+
+
+def test_a_park_that_waited_its_turn_counts_its_delay_from_when_it_was_asked(
+    redis_server: RedisServer,
+) -> None:
+    """park.lua's ARGV[3], Redis's time when the worker counted the delay from (as late as
+    the worker's bounds allow): a call that waited behind others is due that much earlier than its delay
+    from now, by 100 ms at most (an estimate far off, a clock stepped, moves it no more);
+    never later than from now."""
+    keys = ("shop:requests:parked", "shop:requests:parked:moments")
+    delay_us = 5_000_000
+    with redis_server.client() as client:
+
+        def due_from(asked: float | None) -> tuple[float, float]:
+            """The parked request's due less its delay, and the call's length, both from
+            Redis's time before the call (µs), with ARGV[3] *asked* from that time."""
+            parked = member(b"r", SLOW, b"asked")
+            before = redis_now_us(client)
+            extra = [] if asked is None else [repr(before + asked)]
+            client.eval(load_script("park.lua"), 2, *keys, repr(delay_us), parked, *extra)
+            took = redis_now_us(client) - before
+            score = client.zscore(keys[0], parked)
+            assert score is not None
+            return score - delay_us - before, took
+
+        due, took = due_from(None)
+        assert 0 <= due <= took, "from Redis's time"
+        due, took = due_from(-20_000)
+        assert -20_000 <= due <= max(-20_000, took - 100_000), "from the caller's estimate"
+        due, took = due_from(-1_000_000)
+        assert -100_000 <= due <= took - 100_000, "an estimate far back moves it 100 ms at most"
+        due, took = due_from(1_000_000)
+        assert 0 <= due <= took, "never from later than Redis's time"
+        for bad in ("nan", "inf", "x"):
+            with pytest.raises(redis.ResponseError, match="asked must be a finite number"):
+                client.eval(load_script("park.lua"), 2, *keys, "0", member(b"r", SLOW, b"bad"), bad)
 
 
 def test_requests_parked_by_earlier_versions_are_read_as_not_reserved() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 from local_redis import RedisServer
-from support import async_test, wait_until
+from support import async_test, redis_now_us, wait_until
 
 from scrapy_redis_throttle.bucket import (
     AcquireResult,
@@ -180,12 +180,12 @@ def test_busy_for_counts_tokens_taken_elsewhere(bucket: Bucket) -> None:
     busy: the shared bucket is empty until then, even if Redis lost or never had the key."""
     limit = Limit(10, 1, "test")
     started = time.monotonic()
-    status, retry_us, _ = bucket.script(keys=[KEY], args=script_args(limit, 1, 2.0, 0.5))
+    status, retry_us, _, _ = bucket.script(keys=[KEY], args=script_args(limit, 1, 2.0, 0.5))
     elapsed = time.monotonic() - started
     assert status == 2
     assert 500_000 - 1e6 * elapsed <= retry_us <= 500_000
     # Never earlier than what the bucket already holds.
-    status, retry_us, _ = bucket.script(keys=[KEY], args=script_args(limit, 1, 2.0, 0.1))
+    status, retry_us, _, _ = bucket.script(keys=[KEY], args=script_args(limit, 1, 2.0, 0.1))
     assert status == 2
     assert 600_000 - 1e6 * (time.monotonic() - started) <= retry_us <= 600_000
     with pytest.raises(redis.ResponseError, match="busy_for must be a finite number >= 0"):
@@ -304,3 +304,16 @@ async def test_token_bucket_client(redis_server: RedisServer) -> None:
     finally:
         await bucket.aclose()
         await client.aclose()
+
+
+def test_each_reply_tells_when_redis_decided(bucket: Bucket) -> None:
+    """The reply's fourth integer is Redis's time (µs since 2024-01-01) when the script ran,
+    whatever its status: the worker counts the reply's wait from then."""
+    limit = Limit(10, 1, "test")
+
+    replies = []
+    for _ in range(3):  # allowed, reserved, refused (nothing reservable that far)
+        before = redis_now_us(bucket.client)
+        replies.append(bucket.script(keys=[KEY], args=script_args(limit, 1, 0.1)))
+        assert before <= replies[-1][3] <= redis_now_us(bucket.client)
+    assert [reply[0] for reply in replies] == [1, 2, 0]

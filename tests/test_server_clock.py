@@ -1,0 +1,64 @@
+"""Redis's clock as a worker sees it (scrapy_redis_throttle/server_clock.py), on given times:
+when Redis decided a reply, by the bounds of the recent replies, never before it did."""
+
+from __future__ import annotations
+
+import pytest
+
+from scrapy_redis_throttle.server_clock import GENERATION, ServerClock
+
+# Redis's clock (µs) runs 1,000 s ahead of the loop's (s) in these cases.
+AHEAD = 1000.0
+
+
+def approx(expected: float) -> object:
+    return pytest.approx(expected, abs=1e-6)
+
+
+def server_us(loop_time: float) -> float:
+    """The server time (µs) of a decision at *loop_time*."""
+    return (loop_time + AHEAD) * 1e6
+
+
+def test_a_reply_read_late_counts_from_when_it_was_decided() -> None:
+    clock = ServerClock()
+    # The first reply is all the clock knows: its times count from when it was read.
+    assert clock.decided_at(10.0, 10.001, server_us(10.0005)) == approx(10.001)
+    # Read 150 ms after it was decided: it counts from its decision (plus the fastest way back).
+    decided = clock.decided_at(11.0, 11.15, server_us(11.0005))
+    assert decided == approx(11.001)
+    # A faster reply lowers the estimate for the next ones.
+    assert clock.decided_at(12.0, 12.0002, server_us(12.0001)) == approx(12.0002)
+    assert clock.decided_at(13.0, 13.2, server_us(13.0001)) == approx(13.0002)
+
+
+def test_a_clock_that_steps_back_is_followed_from_the_next_reply() -> None:
+    """Redis's clock steps back by a second (or another server answers): the reply is out of
+    the bounds the earlier ones gave (Redis would have decided before the call was sent), so
+    they start again from it alone: it counts from when it was read, the next ones from their
+    decisions again."""
+    clock = ServerClock()
+    clock.decided_at(10.0, 10.001, server_us(10.0005))
+    assert clock.decided_at(11.0, 11.15, server_us(11.0005) - 1e6) == approx(11.15)
+    clock.decided_at(12.0, 12.001, server_us(12.0005) - 1e6)
+    assert clock.decided_at(13.0, 13.15, server_us(13.0005) - 1e6) == approx(13.001)
+
+
+def test_old_bounds_are_forgotten() -> None:
+    """Bounds over two generations old are not used: a late reply after a long idle counts
+    from when it was read, and Redis's time is unknown until a reply tells it again."""
+    clock = ServerClock()
+    clock.decided_at(10.0, 10.001, server_us(10.0005))
+    assert clock.server_us(10.5) == approx(server_us(10.5005))
+    later = 10.001 + 2 * GENERATION
+    assert clock.server_us(later) is None
+    assert clock.decided_at(later, later + 0.15, server_us(later + 0.0005)) == approx(later + 0.15)
+
+
+def test_a_clock_that_steps_forward_is_followed_at_once() -> None:
+    """Redis's clock jumps a second ahead: the sample is lower than every earlier one, and the
+    estimate follows it from that reply on (the decisions are never put after the reads)."""
+    clock = ServerClock()
+    clock.decided_at(10.0, 10.001, server_us(10.0005))
+    assert clock.decided_at(11.0, 11.001, server_us(11.0005) + 1e6) == approx(11.001)
+    assert clock.decided_at(12.0, 12.2, server_us(12.0005) + 1e6) == approx(12.001)
