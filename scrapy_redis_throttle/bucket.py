@@ -35,6 +35,9 @@ class AcquireResult:
     decided_at: float | None = None
     """When Redis decided (loop time, see :class:`.ServerClock`): ``retry_after`` and
     ``reset_after`` count from then. None: decided in this process, as it was returned."""
+    moment_us: float | None = None
+    """When the request may go by Redis's clock (µs since the scripts' epoch): the moment
+    Redis gave it, exact in any process that knows Redis's clock. None: not given by Redis."""
 
     def decided(self, now: float) -> float:
         """When it was decided, by the loop's clock at *now*."""
@@ -48,7 +51,7 @@ PAUSED_POLL = 2.0
 def parse_reply(reply: list[Any], limit: Limit, decided_at: float | None = None) -> AcquireResult:
     """The result of ``token_bucket.lua``'s reply (integers: status, microseconds, Redis's time,
     and the requests the quotas allow when it checked some), decided at *decided_at*."""
-    status, retry_after_us, reset_after_us, _, *quotas_left = reply
+    status, retry_after_us, reset_after_us, now_us, *quotas_left = reply
     if status == 3:
         return AcquireResult(
             False, False, 0.0, PAUSED_POLL, 0.0, paused=True, decided_at=decided_at
@@ -62,6 +65,7 @@ def parse_reply(reply: list[Any], limit: Limit, decided_at: float | None = None)
         retry_after=retry_after_us / 1e6,
         reset_after=reset_after_us / 1e6,
         decided_at=decided_at,
+        moment_us=float(now_us + retry_after_us),
     )
 
 
@@ -199,7 +203,7 @@ class TokenBucket:
         self._adaptive = adaptive
         self._live_quotas: set[str] = set()
         """Domains whose limit set live has quotas (or had)."""
-        self._clock = ServerClock()
+        self.clock = ServerClock()
         """Redis's clock, from the acquires' replies."""
         self._script = lua_script(redis, "token_bucket.lua")
         self._penalty_script = lua_script(redis, "penalty.lua")
@@ -229,11 +233,11 @@ class TokenBucket:
             # costs the script nothing).
             self._live_quotas.add(domain)
             return await self.acquire(domain, limit, cost, reserve, busy_for)
-        return parse_reply(reply, limit, self._clock.decided_at(sent, read, reply[3]))
+        return parse_reply(reply, limit, self.clock.decided_at(sent, read, reply[3]))
 
     async def read_time(self) -> None:
         """Learn Redis's clock before the first acquire (see :meth:`.ServerClock.read_time`)."""
-        await self._clock.read_time(self._redis)
+        await self.clock.read_time(self._redis)
 
     async def penalize(
         self, domain: str, limit: Limit, retry_after: float | None, backoff: Backoff

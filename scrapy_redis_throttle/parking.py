@@ -68,6 +68,10 @@ TICKET_META = "_redis_throttle_ticket"
 # Give parked requests back this long before they are due: the middleware holds them for the
 # rest, so that they leave exactly on time however busy the engine is.
 RELEASE_AHEAD = 0.5
+# A parked request's exact moment (Ticket.moment_us) and the due the parking area tells agree
+# within this (its clock's bounds, park.lua's WAITED_AT_MOST); a moment further off is not one
+# Redis gave (a member written into the parking set by hand): the due counts.
+MOMENT_AGREES = 1.0
 RELEASE_BATCH = 32
 # The least time between two looks for due requests: those due meanwhile are given back
 # together, still at least RELEASE_AHEAD - LOOK_INTERVAL early (with one look per request due,
@@ -116,10 +120,30 @@ class Ticket:
     (``redis_throttle/wait_time_*``), parked or not."""
     elsewhere: bool = False
     """Reserved in another process (parked in Redis by it): its wall clock counts."""
+    moment_us: float | None = None
+    """Its reserved moment by the throttle's Redis's clock (see
+    :attr:`.AcquireResult.moment_us`; None: not reserved there). Exact where *due*, back
+    from scrapy-redis's Redis, is only as exact as this process knows that Redis's clock
+    (from a few replies, which a busy process reads late)."""
+
+    def moment(self, clock: ServerClock) -> float:
+        """The loop time of its reserved moment: by *clock* (the throttle's Redis's) when it
+        knows it, else the due the parking area told."""
+        exact = None if self.moment_us is None else clock.loop_time(self.moment_us)
+        if exact is None or abs(exact - self.due) > MOMENT_AGREES:
+            return self.due
+        return exact
 
     def to_wire(self) -> list[Any]:
         """What travels through Redis with the request (JSON- and pickle-safe)."""
-        return [self.reserved, self.reserved_at, _PROCESS, self.locally, self.waiting_since]
+        return [
+            self.reserved,
+            self.reserved_at,
+            _PROCESS,
+            self.locally,
+            self.waiting_since,
+            self.moment_us,
+        ]
 
     @classmethod
     def from_wire(cls, value: object, key: str, due: float) -> Ticket:
@@ -127,17 +151,25 @@ class Ticket:
         unexpected counts as no reservation (the request asks again)."""
         if (
             isinstance(value, list)
-            and len(value) == 5
+            and len(value) == 6
             and isinstance(value[0], bool)
             and isinstance(value[3], bool)
             and all(_is_time(value[n]) for n in (1, 4))
+            and (value[5] is None or _is_time(value[5]))
         ):
-            reserved, reserved_at, process, locally, waiting_since = value
+            reserved, reserved_at, process, locally, waiting_since, moment_us = value
             elsewhere = process != _PROCESS
             # Moments reserved in another process's own buckets hold nothing here.
             reserved = reserved and not (locally and elsewhere)
             return cls(
-                key, due, reserved, locally, float(reserved_at), float(waiting_since), elsewhere
+                key,
+                due,
+                reserved,
+                locally,
+                float(reserved_at),
+                float(waiting_since),
+                elsewhere,
+                None if moment_us is None else float(moment_us),
             )
         now = time.time()
         return cls(key, due, False, False, now, now, elsewhere=True)
@@ -268,9 +300,11 @@ class RedisParking:
         self._clock = ServerClock()  # scrapy-redis's Redis's, not the throttle's
 
     async def park(self, request: Request, ticket: Ticket) -> None:
+        # The call may wait for the connection: its delay counts from Redis's time now (see
+        # park.lua's ARGV[3]), not from when Redis runs it.
+        await self._clock.follow(self._redis)
         now = asyncio.get_running_loop().time()
         delay = max(0.0, ticket.due - now)
-        # The call may wait for the connection (see park.lua's ARGV[3]).
         asked = self._clock.server_us(now)
         wire = request.replace(meta={**request.meta, TICKET_META: ticket.to_wire()})
         encoded = self._serializer.dumps(wire.to_dict(spider=self._spider))
@@ -313,8 +347,7 @@ class RedisParking:
         )
 
     async def unpark(self, ahead: float, limit: int) -> tuple[list[Parked], float | None]:
-        if not self._clock.known:
-            await self._clock.read_time(self._redis)
+        await self._clock.follow(self._redis)
         loop = asyncio.get_running_loop()
         sent = loop.time()
         reply = await self._unpark_script(

@@ -231,6 +231,8 @@ class ResilientBucket:
     ) -> None:
         self._redis = redis
         self._bucket = TokenBucket(redis, config.key_prefix, adaptive=config.adaptive is not None)
+        self.clock = self._bucket.clock
+        """Redis's clock (see :class:`.ServerClock`)."""
         self._config = config
         self._stats = stats
         self._log_extra = log_extra

@@ -47,17 +47,28 @@ class ServerClock:
         """(upper, lower) bounds of the offset, this generation's last."""
         self._generation_ends = 0.0
 
-    @property
-    def known(self) -> bool:
-        """Whether any reply told this clock's bounds yet."""
-        return bool(self._generations)
-
     def server_us(self, loop_time: float) -> float | None:
         """Redis's time (µs since the scripts' epoch) at *loop_time*, as late as it may be
         (None: unknown, or its bounds are over two generations old)."""
         if not self._generations or loop_time >= self._generation_ends + GENERATION:
             return None
         return (loop_time - self._bounds()[1]) * 1e6
+
+    def loop_time(self, server_us: float) -> float | None:
+        """When, by the loop's clock, Redis's clock reads *server_us* (µs since the scripts'
+        epoch), as :meth:`decided_at` counts (None: unknown, or its bounds are over two
+        generations old)."""
+        if not self._generations or asyncio.get_running_loop().time() >= (
+            self._generation_ends + GENERATION
+        ):
+            return None
+        return server_us / 1e6 + self._bounds()[0]
+
+    async def follow(self, client: Redis | RedisCluster) -> None:
+        """Read Redis's ``TIME`` (see :meth:`read_time`) unless recent replies bound the offset:
+        a call that counts from Redis's time by this clock must know it first."""
+        if self.server_us(asyncio.get_running_loop().time()) is None:
+            await self.read_time(client)
 
     async def read_time(self, client: Redis | RedisCluster, reads: int = FIRST_READS) -> None:
         """Learn the offset from Redis's ``TIME``, *reads* times: before the first replies, or

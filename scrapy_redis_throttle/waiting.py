@@ -77,7 +77,11 @@ class Turns:
                 ticket is not None
                 and ticket.reserved
                 and await self._hold_until(
-                    key, ticket.due, ticket.reserved_at, ticket.elsewhere, ticket.locally
+                    key,
+                    ticket.moment(self._budget.clock),
+                    ticket.reserved_at,
+                    ticket.elsewhere,
+                    ticket.locally,
                 )
             ):
                 self._went(request, key, since, delayed=True)
@@ -247,4 +251,5 @@ class Turns:
         self._stats.inc_value(f"{STATS_PREFIX}/park_requests")
         self._activity.park(key, 1)
         due = result.decided(asyncio.get_running_loop().time()) + delay
-        return Ticket(key, due, result.reserved, not grant.shared, asked_at, since)
+        exact = result.moment_us if result.reserved and grant.shared else None
+        return Ticket(key, due, result.reserved, not grant.shared, asked_at, since, False, exact)

@@ -142,7 +142,11 @@ async def test_redis_parked_requests_survive_the_close_for_the_next_run(
             site.url(SLOW, f"/page/{n}") for n in range(3)
         }
         assert all(r["meta"][TICKET_META][0] is True for r in parked), "reserved, in the meta"
-        assert all(len(r["meta"][TICKET_META]) == 5 for r in parked)
+        # With the moments Redis gave them, by its clock: 30 and 60 s after the first request's.
+        now_us = redis_now_us(client)
+        moments = sorted(r["meta"][TICKET_META][5] for r in parked)
+        assert [round((moment - now_us) / 30e6) for moment in moments] == [1, 2], moments
+        assert moments[1] - moments[0] == pytest.approx(30e6, abs=1)
         assert any(
             "2 parked requests are kept for the next run" in r.getMessage() for r in caplog.records
         )
