@@ -489,6 +489,9 @@ class ThrottleConfig:
     """The adaptive rate, None when ``REDIS_THROTTLE_ADAPTIVE_ENABLED`` is off."""
     report_interval: float
     """Seconds between two reports of this worker's activity to Redis (0: none)."""
+    gc_freeze: bool
+    """Freeze the start-up's objects out of Python's garbage collector at the spider's
+    opening (see :mod:`scrapy_redis_throttle.gc_freeze`)."""
 
     @property
     def redis_location(self) -> str:
@@ -569,6 +572,7 @@ class ThrottleConfig:
             ),
             adaptive=_adaptive(settings),
             crawl_delay=_flag(settings, "REDIS_THROTTLE_CRAWL_DELAY_ENABLED", default=True),
+            gc_freeze=_flag(settings, "REDIS_THROTTLE_GC_FREEZE", default=True),
             max_crawl_delay=_seconds(
                 settings, "REDIS_THROTTLE_MAX_CRAWL_DELAY", DEFAULT_MAX_CRAWL_DELAY, minimum=0.001
             ),

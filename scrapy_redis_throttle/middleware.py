@@ -22,6 +22,9 @@ Settings (see README.md for the full reference):
 * ``REDIS_THROTTLE_CRAWL_DELAY_ENABLED``, ``REDIS_THROTTLE_MAX_CRAWL_DELAY`` - robots.txt
   ``Crawl-delay`` as a host's limit (see :mod:`scrapy_redis_throttle.crawl_delay`)
 * ``REDIS_THROTTLE_KEY_PREFIX``, ``REDIS_THROTTLE_REPORT_INTERVAL``
+* ``REDIS_THROTTLE_GC_FREEZE`` - keep the start-up's objects out of Python's full garbage
+  collections, which stall a worker past its requests' moments (see
+  :mod:`scrapy_redis_throttle.gc_freeze`)
 
 Request meta keys: ``dont_redis_throttle``, ``redis_throttle_key``, ``redis_throttle_cost``,
 ``redis_throttle_penalty``.
@@ -49,6 +52,7 @@ from .config import (
 )
 from .connection import close, connect
 from .crawl_delay import CrawlDelays
+from .gc_freeze import freeze_startup_objects
 from .parking import TICKET_META, ParkingArea, attach, engine_scheduler
 from .penalties import Pauses, parse_retry_after
 from .resilience import STATS_PREFIX, ResilientBucket
@@ -130,6 +134,17 @@ class RedisThrottleMiddleware:
             logger.info("Redis throttle: %s", line, extra={"spider": spider})
         for warning in setup_warnings(self.crawler, self.config):
             logger.warning("Redis throttle: %s", warning, extra={"spider": spider})
+        if self.config.gc_freeze:
+            # Last, once the whole crawler is built: its objects are frozen too.
+            frozen = freeze_startup_objects()
+            if frozen:
+                self.stats.set_value(f"{STATS_PREFIX}/gc_frozen_objects", frozen)
+                logger.debug(
+                    "Redis throttle: %(frozen)d objects of the start-up frozen out of the "
+                    "garbage collector (REDIS_THROTTLE_GC_FREEZE)",
+                    {"frozen": frozen},
+                    extra={"spider": spider},
+                )
 
     def _attach_parking(self) -> None:
         scheduler = engine_scheduler(self.crawler)

@@ -5,11 +5,13 @@ The JSON object holds ``settings``, ``requests`` and ``spider_attributes`` (see
 :class:`support.UrlListSpider`). The crawl's stats are printed as a last line ``STATS <json>``,
 with what the benchmarks measure added: ``worker/download_seconds`` and
 ``worker/download_cpu_seconds``, the time and this process's CPU time from the first response
-to the last (start-up and imports left out).
+to the last (start-up and imports left out), and ``worker/gc_freeze_count``, the objects left
+frozen out of the garbage collector at the end.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import time
@@ -36,6 +38,7 @@ def main() -> None:
         **crawler.stats.get_stats(),
         "worker/download_seconds": last[0] - first[0],
         "worker/download_cpu_seconds": last[1] - first[1],
+        "worker/gc_freeze_count": gc.get_freeze_count(),
     }
     print("STATS " + json.dumps(stats, default=str), flush=True)
 

@@ -87,6 +87,7 @@ def test_defaults() -> None:
     assert cfg.penalty_codes == {429, 503}
     assert cfg.backoff == Backoff(first=2.0, longest=600.0, decay=60.0)
     assert cfg.adaptive is None
+    assert cfg.gc_freeze is True
 
 
 @pytest.mark.parametrize(
@@ -180,11 +181,13 @@ def test_settings_from_the_command_line_are_strings() -> None:
         REDIS_THROTTLE_DEFAULT_BURST="2",
         REDIS_THROTTLE_PENALTY_HTTP_CODES="429,503,520",
         REDIS_THROTTLE_CRAWL_DELAY_ENABLED="false",
+        REDIS_THROTTLE_GC_FREEZE="0",
     )
     assert cfg.limits.lookup("shop.example") == Limit(2, 4, "2/s")
     assert str(cfg.limits.lookup("other.example")) == "3/s (burst 2)"
     assert cfg.penalty_codes == {429, 503, 520}
     assert cfg.crawl_delay is False
+    assert cfg.gc_freeze is False
 
 
 def test_several_limits_and_windows() -> None:
@@ -305,6 +308,7 @@ ADAPTIVE = {"REDIS_THROTTLE_ADAPTIVE_ENABLED": True}
         ({"REDIS_THROTTLE_MAX_CRAWL_DELAY": 0}, "REDIS_THROTTLE_MAX_CRAWL_DELAY must be a number of seconds >= 0.001, got 0"),
         ({"REDIS_THROTTLE_CRAWL_DELAY_ENABLED": "maybe"}, "REDIS_THROTTLE_CRAWL_DELAY_ENABLED must be True or False \\(or 1, 0, 'true', 'false'\\), got 'maybe'"),
         ({"REDIS_THROTTLE_ENABLED": "perhaps"}, "REDIS_THROTTLE_ENABLED must be True or False"),
+        ({"REDIS_THROTTLE_GC_FREEZE": "never"}, "REDIS_THROTTLE_GC_FREEZE must be True or False \\(or 1, 0, 'true', 'false'\\), got 'never'"),
         ({"REDIS_THROTTLE_MAX_HOLD": float("nan")}, "REDIS_THROTTLE_MAX_HOLD must be a number of seconds >= 0, got nan"),
         ({"REDIS_THROTTLE_ADAPTIVE_ENABLED": "sometimes"}, "REDIS_THROTTLE_ADAPTIVE_ENABLED must be True or False"),
         ({**ADAPTIVE, "REDIS_THROTTLE_ADAPTIVE_DECREASE": 1}, "REDIS_THROTTLE_ADAPTIVE_DECREASE must be a number between 0 and 1 \\(both excluded\\), got 1"),

@@ -261,6 +261,31 @@ def test_two_crawler_processes_share_one_budget(redis_server: RedisServer, site:
     assert achieved_rate(times(site, A), burst=1) >= 0.9 * 4
 
 
+def test_a_worker_freezes_its_start_up_out_of_the_garbage_collector(
+    redis_server: RedisServer, site: DemoSite
+) -> None:
+    """A worker process freezes what its start-up made out of the garbage collector at the
+    spider's opening (full collections then skip it); REDIS_THROTTLE_GC_FREEZE = False leaves
+    the collector alone."""
+    jobs = [
+        {
+            "settings": crawl_settings(redis_server.url, **overrides),
+            "requests": pages(site, A, 2, first=2 * index),
+            "spider_attributes": {"redis_throttle_rates": {A: "50/s"}},
+        }
+        for index, overrides in enumerate([{}, {"REDIS_THROTTLE_GC_FREEZE": False}])
+    ]
+    default, off = finish_crawl_workers(start_crawl_workers(redis_server.url, jobs), timeout=60)
+    frozen = default["redis_throttle/gc_frozen_objects"]
+    # Scrapy, Twisted and the crawler's components: about 90,000 objects (Scrapy 2.19).
+    assert frozen > 50_000, default
+    # Still frozen at the end, but for those freed since (by their reference counts).
+    assert 0.9 * frozen < default["worker/gc_freeze_count"] <= frozen
+    assert "redis_throttle/gc_frozen_objects" not in off
+    assert off["worker/gc_freeze_count"] == 0
+    assert default["test/responses"] == off["test/responses"] == 2
+
+
 @pytest.mark.parametrize("down_at_start", [False, True], ids=["down-mid-crawl", "down-at-start"])
 @async_test
 async def test_wait_policy_holds_requests_until_redis_is_back(
