@@ -9,7 +9,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
+from redis.crc import key_slot
+
 from .config import Adaptive, Backoff, Limit, Quota
+from .connection import ClusterClient
 from .scripts import lua_script
 from .server_clock import ServerClock
 
@@ -203,8 +206,12 @@ class TokenBucket:
         self._adaptive = adaptive
         self._live_quotas: set[str] = set()
         """Domains whose limit set live has quotas (or had)."""
-        self.clock = ServerClock()
-        """Redis's clock, from the acquires' replies."""
+        self._clock = ServerClock()
+        """Redis's clock, from the acquires' replies (one Redis)."""
+        self._slot_clocks: dict[int, ServerClock] | None = (
+            {} if isinstance(redis, ClusterClient) else None
+        )
+        """On a Redis Cluster, each slot's (see :meth:`clock`): at most 16,384."""
         self._script = lua_script(redis, "token_bucket.lua")
         self._penalty_script = lua_script(redis, "penalty.lua")
         self._slow_down_script = lua_script(redis, "slow_down.lua")
@@ -233,11 +240,25 @@ class TokenBucket:
             # costs the script nothing).
             self._live_quotas.add(domain)
             return await self.acquire(domain, limit, cost, reserve, busy_for)
-        return parse_reply(reply, limit, self.clock.decided_at(sent, read, reply[3]))
+        return parse_reply(reply, limit, self.clock(domain).decided_at(sent, read, reply[3]))
+
+    def clock(self, domain: str) -> ServerClock:
+        """Redis's clock as *domain*'s bucket sees it. On a Redis Cluster, that of the bucket's
+        slot: each node has its own clock, and a moment one gave is read by its clock alone (a
+        slot that moves to another node starts its clock again, see :class:`.ServerClock`)."""
+        if self._slot_clocks is None:
+            return self._clock
+        slot = key_slot(bucket_key(self._key_prefix, domain).encode())
+        clock = self._slot_clocks.get(slot)
+        if clock is None:
+            clock = self._slot_clocks[slot] = ServerClock()
+        return clock
 
     async def read_time(self) -> None:
-        """Learn Redis's clock before the first acquire (see :meth:`.ServerClock.read_time`)."""
-        await self.clock.read_time(self._redis)
+        """Learn Redis's clock before the first acquire (see :meth:`.ServerClock.read_time`);
+        on a Redis Cluster, each slot's clock learns from its first replies."""
+        if self._slot_clocks is None:
+            await self._clock.read_time(self._redis)
 
     async def penalize(
         self, domain: str, limit: Limit, retry_after: float | None, backoff: Backoff

@@ -16,10 +16,10 @@ import gc
 
 def freeze_startup_objects() -> int:
     """Collect, then freeze what survives out of the cyclic collector, in a process where
-    nothing is frozen yet; return how many objects this froze (0: none). Once only: a later
-    crawler's start in the same process would freeze the garbage of the crawls before it
-    (never collected again) or, collecting first, stall the crawls running beside it."""
-    if gc.get_freeze_count():
+    nothing is frozen yet and the collector runs; return how many objects this froze (0:
+    none). Once a process: a later crawler's start would stall the crawls running beside it
+    (collecting first) and freeze their objects for good, garbage to be included."""
+    if gc.get_freeze_count() or not gc.isenabled():
         return 0
     gc.collect()
     gc.freeze()

@@ -69,9 +69,10 @@ TICKET_META = "_redis_throttle_ticket"
 # rest, so that they leave exactly on time however busy the engine is.
 RELEASE_AHEAD = 0.5
 # A parked request's exact moment (Ticket.moment_us) and the due the parking area tells agree
-# within this (its clock's bounds, park.lua's WAITED_AT_MOST); a moment further off is not one
-# Redis gave (a member written into the parking set by hand): the due counts.
-MOMENT_AGREES = 1.0
+# within this: the due is late by at most park.lua's WAITED_AT_MOST (0.1 s) and the two clocks'
+# bounds (ms). A moment further off is not one Redis gave, as this process reads it (a member
+# written into the parking set by hand, a clock that stepped): the due counts.
+MOMENT_AGREES = 0.25
 RELEASE_BATCH = 32
 # The least time between two looks for due requests: those due meanwhile are given back
 # together, still at least RELEASE_AHEAD - LOOK_INTERVAL early (with one look per request due,
@@ -151,13 +152,15 @@ class Ticket:
         unexpected counts as no reservation (the request asks again)."""
         if (
             isinstance(value, list)
-            and len(value) == 6
+            # 5: parked by an earlier version, without its moment.
+            and len(value) in (5, 6)
             and isinstance(value[0], bool)
             and isinstance(value[3], bool)
             and all(_is_time(value[n]) for n in (1, 4))
-            and (value[5] is None or _is_time(value[5]))
+            and (len(value) == 5 or value[5] is None or _is_time(value[5]))
         ):
-            reserved, reserved_at, process, locally, waiting_since, moment_us = value
+            reserved, reserved_at, process, locally, waiting_since, *rest = value
+            moment_us = rest[0] if rest else None
             elsewhere = process != _PROCESS
             # Moments reserved in another process's own buckets hold nothing here.
             reserved = reserved and not (locally and elsewhere)
@@ -176,8 +179,14 @@ class Ticket:
 
 
 def _is_time(value: object) -> bool:
-    """A wall time as :func:`time.time` gives (read back from Redis: anything may be there)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A time as a float holds it (read back from Redis: anything may be there, such as an
+    integer too large for a float)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 Parked = tuple["Request", Ticket]

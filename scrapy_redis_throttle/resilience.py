@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from .bucket import Penalty, SlowDown, Voiding
     from .config import Limit, ThrottleConfig
     from .connection import ThrottleRedis
+    from .server_clock import ServerClock
 
 logger = logging.getLogger(__name__)
 
@@ -231,8 +232,6 @@ class ResilientBucket:
     ) -> None:
         self._redis = redis
         self._bucket = TokenBucket(redis, config.key_prefix, adaptive=config.adaptive is not None)
-        self.clock = self._bucket.clock
-        """Redis's clock (see :class:`.ServerClock`)."""
         self._config = config
         self._stats = stats
         self._log_extra = log_extra
@@ -327,6 +326,10 @@ class ResilientBucket:
     def workers(self) -> int | None:
         """The ``"local"`` policy's divisor: the setting, else the fleet's size as last seen."""
         return self._config.fallback_workers or self._fleet_size()
+
+    def clock(self, key: str) -> ServerClock:
+        """Redis's clock as *key*'s bucket sees it (see :meth:`.TokenBucket.clock`)."""
+        return self._bucket.clock(key)
 
     async def voided(self, key: str) -> tuple[bool, Voiding | None]:
         """Whether Redis could tell, and the last voiding of *key*'s reserved moments (see

@@ -78,7 +78,7 @@ class Turns:
                 and ticket.reserved
                 and await self._hold_until(
                     key,
-                    ticket.moment(self._budget.clock),
+                    ticket.moment(self._budget.clock(key)),
                     ticket.reserved_at,
                     ticket.elsewhere,
                     ticket.locally,

@@ -33,8 +33,15 @@ from support import (
 )
 
 from scrapy_redis_throttle.control import LiveControl
-from scrapy_redis_throttle.parking import TICKET_META, MemoryParking, Ticket, read_member
+from scrapy_redis_throttle.parking import (
+    MOMENT_AGREES,
+    TICKET_META,
+    MemoryParking,
+    Ticket,
+    read_member,
+)
 from scrapy_redis_throttle.scripts import load_script
+from scrapy_redis_throttle.server_clock import ServerClock
 
 SLOW, FREE, _ = HOSTS
 SCRAPY_REDIS = {
@@ -408,6 +415,45 @@ def test_requests_parked_by_earlier_versions_are_read_as_not_reserved() -> None:
     assert read_member(old) == (b"u", "", b"\x80\x04serialized")
     new = member(b"r", SLOW, b"\x80\x04serialized")
     assert read_member(new) == (b"r", SLOW, b"\x80\x04serialized")
+
+
+def test_tickets_read_back_from_redis_are_parsed_strictly() -> None:
+    """A ticket of an earlier version (no moment) keeps its reservation; a field that is not a
+    time, such as an integer no float holds, makes it unreserved (that request asks again),
+    and nothing else fails."""
+    now = time.time()
+    earlier = Ticket.from_wire([True, now, "another-process", False, now], SLOW, 5.0)
+    assert (earlier.reserved, earlier.moment_us, earlier.elsewhere) == (True, None, True)
+    current = Ticket.from_wire([True, now, "another-process", False, now, 1e15], SLOW, 5.0)
+    assert (current.reserved, current.moment_us) == (True, 1e15)
+    for moment in (10**400, float("nan"), "1e15", True):
+        hostile = Ticket.from_wire([True, now, "another-process", False, now, moment], SLOW, 5.0)
+        assert (hostile.reserved, hostile.moment_us, hostile.due) == (False, None, 5.0), moment
+    assert Ticket.from_wire([True, 10**400, "p", False, now], SLOW, 5.0).reserved is False
+
+
+@async_test
+async def test_a_parked_request_goes_at_the_moment_redis_gave_it_when_its_due_agrees() -> None:
+    """Its moment, by the throttle's Redis's clock, counts when it agrees with the due the
+    parking area told (within MOMENT_AGREES); else, or with that clock unknown, the due."""
+    now = asyncio.get_running_loop().time()
+    clock = ServerClock()
+    # Redis's clock runs 1,000 s ahead of the loop's; the reply bounds the offset within 1 ms.
+    clock.decided_at(now - 0.001, now, (now + 1000) * 1e6)
+    moment_us = (now + 1000 + 5) * 1e6  # 5 s from now, by Redis's clock
+    exact = clock.loop_time(moment_us)
+    assert exact == pytest.approx(now + 5, abs=0.002)
+
+    def ticket(due: float, moment: float | None = moment_us) -> Ticket:
+        return Ticket(SLOW, due, True, False, 0.0, 0.0, True, moment)
+
+    assert ticket(now + 5.08).moment(clock) == exact, "a due read late: the moment counts"
+    assert ticket(now + 4.9).moment(clock) == exact, "a due counted early: the moment counts"
+    far = now + 5 + 2 * MOMENT_AGREES
+    assert ticket(far).moment(clock) == far, "a moment far off is not one Redis gave"
+    assert ticket(now + 4).moment(clock) == now + 4
+    assert ticket(now + 5.08, moment=None).moment(clock) == now + 5.08
+    assert ticket(now + 5.08).moment(ServerClock()) == now + 5.08, "Redis's clock unknown"
 
 
 @async_test

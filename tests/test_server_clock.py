@@ -4,7 +4,10 @@ when Redis decided a reply, by the bounds of the recent replies, never before it
 from __future__ import annotations
 
 import pytest
+import redis.asyncio
 
+from scrapy_redis_throttle.bucket import TokenBucket
+from scrapy_redis_throttle.connection import ClusterClient
 from scrapy_redis_throttle.server_clock import GENERATION, ServerClock
 
 # Redis's clock (µs) runs 1,000 s ahead of the loop's (s) in these cases.
@@ -62,3 +65,13 @@ def test_a_clock_that_steps_forward_is_followed_at_once() -> None:
     clock.decided_at(10.0, 10.001, server_us(10.0005))
     assert clock.decided_at(11.0, 11.001, server_us(11.0005) + 1e6) == approx(11.001)
     assert clock.decided_at(12.0, 12.2, server_us(12.0005) + 1e6) == approx(12.001)
+
+
+def test_each_slot_of_a_redis_cluster_has_a_clock_of_its_own() -> None:
+    """The nodes of a Redis Cluster have clocks of their own: a domain's moments are read by
+    the clock of its bucket's slot, one Redis's by one clock (no connection is made here)."""
+    cluster = TokenBucket(ClusterClient(host="127.0.0.1", port=1), "redis_throttle")
+    assert cluster.clock("a.example") is cluster.clock("a.example")
+    assert cluster.clock("a.example") is not cluster.clock("b.example")
+    one = TokenBucket(redis.asyncio.Redis(port=1), "redis_throttle")
+    assert one.clock("a.example") is one.clock("b.example")
