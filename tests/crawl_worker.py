@@ -6,11 +6,13 @@ The JSON object holds ``settings``, ``requests`` and ``spider_attributes`` (see
 with what the benchmarks measure added: ``worker/download_seconds`` and
 ``worker/download_cpu_seconds``, the time and this process's CPU time from the first response
 to the last (start-up and imports left out), and ``worker/gc_freeze_count``, the objects left
-frozen out of the garbage collector at the end.
+frozen out of the garbage collector at the end. With ``"loop_probe": true`` in the JSON, also
+``worker/loop_stalls`` and ``worker/loop_stall_max_ms`` (see :class:`LoopProbe`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import sys
@@ -19,6 +21,40 @@ import time
 from scrapy import signals
 from scrapy.crawler import CrawlerProcess
 from spiders import UrlListSpider
+
+# A wake-up of the probe this late is a stall: a request sent then left that much late.
+STALL = 0.02
+PROBE_PERIOD = 0.005
+
+
+class LoopProbe:
+    """How late the event loop wakes a task that sleeps PROBE_PERIOD at a time, from the
+    crawl's first response to its close."""
+
+    def __init__(self) -> None:
+        self.lateness: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            before = loop.time()
+            await asyncio.sleep(PROBE_PERIOD)
+            self.lateness.append(loop.time() - before - PROBE_PERIOD)
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "worker/loop_stalls": sum(late > STALL for late in self.lateness),
+            "worker/loop_stall_max_ms": max(self.lateness, default=0.0) * 1000,
+        }
 
 
 def main() -> None:
@@ -32,6 +68,10 @@ def main() -> None:
         responses.append((time.perf_counter(), time.process_time()))
 
     crawler.signals.connect(received, signal=signals.response_received)
+    probe = LoopProbe() if job.get("loop_probe") else None
+    if probe is not None:
+        crawler.signals.connect(probe.start, signal=signals.response_received)
+        crawler.signals.connect(probe.stop, signal=signals.spider_closed)
     process.start()
     first, last = (responses[0], responses[-1]) if responses else ((0.0, 0.0), (0.0, 0.0))
     stats = {
@@ -39,6 +79,7 @@ def main() -> None:
         "worker/download_seconds": last[0] - first[0],
         "worker/download_cpu_seconds": last[1] - first[1],
         "worker/gc_freeze_count": gc.get_freeze_count(),
+        **(probe.stats() if probe is not None else {}),
     }
     print("STATS " + json.dumps(stats, default=str), flush=True)
 
