@@ -2,7 +2,7 @@
 
 A Scrapy worker keeps some 90,000 objects from its start-up (modules, classes, functions, the
 crawler's components). Python's cyclic collector walks them all at each full (generation 2)
-collection, with the event loop stopped: 50-130 ms every few seconds of crawling, measured in
+collection, with the event loop stopped: 50-250 ms every few seconds of crawling, measured in
 this project's fleets. A request that left the throttle at its moment reached the site that
 much late, against the next one sent on time by another worker, and requests still waiting
 missed their moments. Frozen (:func:`gc.freeze`), the start-up objects are left out of every

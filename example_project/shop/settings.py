@@ -39,7 +39,7 @@ REDIS_THROTTLE_ADAPTIVE_RECOVERY = 60
 # default; REDIS_THROTTLE_FALLBACK_WORKERS would fix N), until Redis is back.
 # Each worker freezes its start-up's objects out of Python's garbage collector when the spider
 # opens (REDIS_THROTTLE_GC_FREEZE, on by default), so that full collections do not stall it
-# for 50-130 ms while its requests are on their way; False leaves the collector alone.
+# for 50-250 ms while its requests are on their way; False leaves the collector alone.
 
 # Per-process politeness is left to the shared budget: no per-worker delay (the start-up log
 # warns about a DOWNLOAD_DELAY, AutoThrottle or a per-domain concurrency below a burst).
