@@ -240,15 +240,19 @@ class TokenBucket:
             # costs the script nothing).
             self._live_quotas.add(domain)
             return await self.acquire(domain, limit, cost, reserve, busy_for)
-        return parse_reply(reply, limit, self.clock(domain).decided_at(sent, read, reply[3]))
+        return parse_reply(reply, limit, self._clock_of(key).decided_at(sent, read, reply[3]))
 
     def clock(self, domain: str) -> ServerClock:
         """Redis's clock as *domain*'s bucket sees it. On a Redis Cluster, that of the bucket's
         slot: each node has its own clock, and a moment one gave is read by its clock alone (a
         slot that moves to another node starts its clock again, see :class:`.ServerClock`)."""
+        return self._clock_of(bucket_key(self._key_prefix, domain))
+
+    def _clock_of(self, key: str) -> ServerClock:
+        """The clock of the bucket *key* (see :meth:`clock`)."""
         if self._slot_clocks is None:
             return self._clock
-        slot = key_slot(bucket_key(self._key_prefix, domain).encode())
+        slot = key_slot(key.encode())
         clock = self._slot_clocks.get(slot)
         if clock is None:
             clock = self._slot_clocks[slot] = ServerClock()

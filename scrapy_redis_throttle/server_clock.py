@@ -50,7 +50,7 @@ class ServerClock:
     def server_us(self, loop_time: float) -> float | None:
         """Redis's time (µs since the scripts' epoch) at *loop_time*, as late as it may be
         (None: unknown, or its bounds are over two generations old)."""
-        if not self._generations or loop_time >= self._generation_ends + GENERATION:
+        if not self._known_at(loop_time):
             return None
         return (loop_time - self._bounds()[1]) * 1e6
 
@@ -58,11 +58,13 @@ class ServerClock:
         """When, by the loop's clock, Redis's clock reads *server_us* (µs since the scripts'
         epoch), as :meth:`decided_at` counts (None: unknown, or its bounds are over two
         generations old)."""
-        if not self._generations or asyncio.get_running_loop().time() >= (
-            self._generation_ends + GENERATION
-        ):
+        if not self._known_at(asyncio.get_running_loop().time()):
             return None
         return server_us / 1e6 + self._bounds()[0]
+
+    def _known_at(self, loop_time: float) -> bool:
+        """Whether bounds of the last two generations tell the offset at *loop_time*."""
+        return bool(self._generations) and loop_time < self._generation_ends + GENERATION
 
     async def follow(self, client: Redis | RedisCluster) -> None:
         """Read Redis's ``TIME`` (see :meth:`read_time`) unless recent replies bound the offset:
