@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from scrapy.exceptions import NotConfigured
 
@@ -425,13 +425,17 @@ class Cluster:
 
 
 def redact_url(url: str) -> str:
-    """*url* with its password replaced, for logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = f"{parts.username}:" if parts.username else ":"
-    return urlunsplit(parts._replace(netloc=f"{user}***@{netloc}"))
+    """*url* with its password replaced, for logs and errors: the one after the user name
+    (up to the last ``@``, which a password with an unencoded ``#`` or ``?`` hides from URL
+    parsers) and a ``password=`` in the query."""
+    scheme, separator, rest = url.partition("://")
+    userinfo, at, location = rest.rpartition("@")
+    if separator and at and ":" in userinfo:
+        url = f"{scheme}://{userinfo.split(':', 1)[0]}:***@{location}"
+    return _QUERY_PASSWORD.sub(r"\1***", url)
+
+
+_QUERY_PASSWORD = re.compile(r"([?&;]password=)[^&;#]*", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -693,8 +697,9 @@ def _redis_url(settings: BaseSettings, own_setting: str | None = "REDIS_THROTTLE
     for name, url in candidates:
         if url:
             if not isinstance(url, str) or urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+                shown = redact_url(url) if isinstance(url, str) else type(url).__name__
                 raise ThrottleConfigError(
-                    f"{name} must be a redis://, rediss:// or unix:// URL, got {url!r}"
+                    f"{name} must be a redis://, rediss:// or unix:// URL, got {shown!r}"
                 )
             return url
     host = settings.get("REDIS_HOST") or shared_params.get("host") or "localhost"

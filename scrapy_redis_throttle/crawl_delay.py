@@ -10,6 +10,7 @@ take from the same bucket in Redis: the delay holds for the whole fleet.
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING, Any
 
 from scrapy import signals
@@ -24,10 +25,31 @@ if TYPE_CHECKING:
     from scrapy.crawler import Crawler
 
     from .config import ThrottleConfig
+    from .rejections import Rejections
 
 logger = logging.getLogger(__name__)
 
 STATS_PREFIX = "redis_throttle/crawl_delay"
+# The shortest Crawl-delay (seconds): a shorter one asks for no less (down to 5e-324, whose rate
+# would be infinite).
+MIN_CRAWL_DELAY = 0.001
+
+
+def parse_crawl_delay(value: object) -> float | None:
+    """Seconds between two requests, from a robots.txt parser's ``crawl_delay()``: None for none
+    (or 0); at least MIN_CRAWL_DELAY, maybe ``inf``; ValueError, saying why, for what is not a
+    number of seconds."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"Crawl-delay of type {type(value).__name__}: not a number")
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int of 400 digits
+        seconds = math.inf if value > 0 else -math.inf
+    if math.isnan(seconds) or seconds < 0:
+        raise ValueError(f"Crawl-delay {seconds!r}: not a number of seconds")
+    return max(MIN_CRAWL_DELAY, seconds) if seconds else None
 
 
 def with_crawl_delay(configured: Limit | None, delay: float) -> Limit:
@@ -46,10 +68,12 @@ class CrawlDelays:
         self,
         crawler: Crawler,
         config: ThrottleConfig,
+        rejections: Rejections,
         log_extra: Callable[[], dict[str, Any]],
     ) -> None:
         self._crawler = crawler
         self._config = config
+        self._rejections = rejections
         self._log_extra = log_extra
         self._limits: dict[str, Limit] = {}
         settings = crawler.settings
@@ -88,8 +112,12 @@ class CrawlDelays:
         user_agent = self._user_agent or request.headers.get(
             b"User-Agent", self._default_user_agent
         )
-        delay = crawl_delay(user_agent)
-        if not delay or delay <= 0:
+        try:
+            delay = parse_crawl_delay(crawl_delay(user_agent))
+        except ValueError as error:
+            self._rejections.reject("crawl_delay", host, str(error), "its configured limit applies")
+            return
+        if delay is None:
             return
         stats = self._crawler.stats
         if delay > self._config.max_crawl_delay:

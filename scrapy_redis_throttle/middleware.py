@@ -55,6 +55,7 @@ from .crawl_delay import CrawlDelays
 from .gc_freeze import freeze_startup_objects
 from .parking import TICKET_META, ParkingArea, attach, engine_scheduler
 from .penalties import Pauses, parse_retry_after
+from .rejections import Rejections
 from .resilience import STATS_PREFIX, ResilientBucket
 from .startup import describe_setup, setup_warnings
 from .waiting import SENT_META, Turns
@@ -104,7 +105,8 @@ class RedisThrottleMiddleware:
             fleet_size=lambda: self.activity.fleet_size,
         )
         self.parking: ParkingArea | None = None
-        self.crawl_delays = CrawlDelays(crawler, self.config, self._log_extra)
+        self.rejections = Rejections(crawler.stats, self._log_extra)
+        self.crawl_delays = CrawlDelays(crawler, self.config, self.rejections, self._log_extra)
         self.pauses = Pauses(
             self.redis,
             penalty_channel(self.config.key_prefix),
@@ -112,6 +114,8 @@ class RedisThrottleMiddleware:
             self._log_extra,
             forget=self.budget.local.forget,
             release_parked=self._release_parked,
+            # No pause is longer, nor any moment further ahead.
+            longest=max(self.config.backoff.longest, self.config.max_reserve),
         )
         self.turns = Turns(
             self.config, self.budget, self.pauses, self.activity, crawler.stats, self._log_extra
@@ -210,9 +214,13 @@ class RedisThrottleMiddleware:
         if limit is None:
             return response
         self.stats.inc_value(f"{STATS_PREFIX}/penalties/{response.status}")
-        retry_after = parse_retry_after(
-            response.headers.get(b"Retry-After"), response.headers.get(b"Date")
-        )
+        try:
+            retry_after = parse_retry_after(
+                response.headers.get(b"Retry-After"), response.headers.get(b"Date")
+            )
+        except ValueError as error:
+            self.rejections.reject("retry_after", key, str(error), "paused as without one")
+            retry_after = None
         penalty = await self.budget.penalize(key, limit, retry_after)
         backoff = self.config.backoff
         if penalty is None:  # Redis is unavailable: this worker pauses alone

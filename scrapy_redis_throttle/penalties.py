@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 # subscribes again after losing its connection.
 LISTEN_TIMEOUT = 0.5
 RESUBSCRIBE_DELAY = 1.0
+# After an unexpected error the listener starts again after RESUBSCRIBE_DELAY, doubled at each
+# error in a row up to this (seconds): it never dies, nor spins.
+MAX_RESUBSCRIBE_DELAY = 30.0
 # Wall clocks of the fleet's machines may differ by this much: a moment reserved in another
 # process this soon after this worker subscribed may have been voided before it did.
 CLOCK_MARGIN = 1.0
@@ -56,6 +59,13 @@ CLOCK_MARGIN = 1.0
 FIRST_SUBSCRIPTION_WAIT = 1.0
 # A pause in a message is at most this many digits of µs (~30 years): a longer one is not ours.
 MAX_PAUSE_DIGITS = 15
+# A Retry-After of more seconds (31 years) counts as this many: REDIS_THROTTLE_MAX_PAUSE caps
+# every pause far below anyway.
+MAX_RETRY_AFTER_DIGITS = 9
+MAX_RETRY_AFTER = 1e9
+# Pauses kept before ended ones are swept out (then twice as many as are left under way): the
+# memory of a worker that meets 100,000 paused domains stays that of the pauses under way.
+PAUSES_SWEPT_AT = 1000
 # Keys whose voiding was read from Redis, at the most (see Pauses.read).
 READS_KEPT = 10_000
 # A pause heard and ending within this much of one already known is that one (read again from
@@ -65,22 +75,31 @@ SAME_PAUSE = 0.05
 
 def parse_retry_after(value: bytes | None, date: bytes | None) -> float | None:
     """Seconds from a ``Retry-After`` header: delta-seconds, or an HTTP-date taken relative to
-    the response's ``Date`` (so that the site's clock, not ours, counts). None when missing or
-    invalid; 0 for a moment already past."""
+    the response's ``Date`` (so that the site's clock, not ours, counts). None when missing; 0
+    for a moment already past; at most MAX_RETRY_AFTER. ValueError, saying why, for anything
+    else."""
     if not value:
         return None
     text = value.decode("latin-1").strip()
-    if text.isdigit():
-        return float(text)
+    # ASCII digits only: "²" is a digit to str.isdigit(), and float() refuses it.
+    if text.isascii() and text.isdigit():
+        digits = text.lstrip("0") or "0"
+        # 310 digits would be an infinite float: so many are capped before they are one.
+        return float(digits) if len(digits) <= MAX_RETRY_AFTER_DIGITS else MAX_RETRY_AFTER
+    retry_at = _http_date(text)
+    if retry_at is None:
+        raise ValueError(f"Retry-After {text[:100]!r}: neither seconds nor an HTTP-date")
+    # Without a Date header it can read, our clock stands in for the site's.
+    sent_at = _http_date(date.decode("latin-1")) if date else None
+    seconds = (retry_at - (sent_at or datetime.now(timezone.utc))).total_seconds()
+    return min(MAX_RETRY_AFTER, max(0.0, seconds))
+
+
+def _http_date(text: str) -> datetime | None:
     try:
-        retry_at = _utc(parsedate_to_datetime(text))
-        sent_at = _utc(parsedate_to_datetime(date.decode("latin-1"))) if date else None
-    except (TypeError, ValueError):
+        moment = parsedate_to_datetime(text)
+    except (TypeError, ValueError, OverflowError):
         return None
-    return max(0.0, (retry_at - (sent_at or datetime.now(timezone.utc))).total_seconds())
-
-
-def _utc(moment: datetime) -> datetime:
     # HTTP-dates are in GMT; "-0000" parses as a naive time.
     return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
 
@@ -98,8 +117,11 @@ class Pauses:
         log_extra: Callable[[], dict[str, Any]],
         forget: Callable[[str], None],
         release_parked: Callable[[str, float, float], None],
+        *,
+        longest: float,
     ) -> None:
         self._redis = redis
+        self._longest = longest
         self._forget = forget
         self._release_parked = release_parked
         self._channel = channel
@@ -108,6 +130,7 @@ class Pauses:
         # key -> (wall time it was heard of, loop time it ends) of each pause under way: a
         # reservation made before one of them, for a moment within it, is void.
         self._pauses: dict[str, list[tuple[float, float]]] = {}
+        self._sweep_at = PAUSES_SWEPT_AT
         # key -> the waits of requests whose moment is reserved: loop time each one ends at
         self._sleepers: dict[str, dict[Deferred[None], float]] = {}
         self._listener: asyncio.Task[None] | None = None
@@ -135,12 +158,18 @@ class Pauses:
         """Moments of *key* within the next *seconds* that were reserved before now (or
         *age* seconds ago) are void (a pause, or moments chosen under a rate that changed): the
         requests that hold them wake at once (see :meth:`sleep`), those parked with them come
-        back at once, and all must ask again."""
+        back at once, and all must ask again. At most *longest* seconds: what another worker
+        publishes, or Redis holds, is not trusted further."""
+        seconds = min(seconds, self._longest)
         heard, until = time.time() - age, asyncio.get_running_loop().time() + seconds
         pauses = self._under_way(key)
         if any(h >= heard - SAME_PAUSE and u >= until - SAME_PAUSE for h, u in pauses):
             return
         self._pauses[key] = [*pauses, (heard, until)]
+        if len(self._pauses) >= self._sweep_at:
+            for each in list(self._pauses):
+                self._under_way(each)
+            self._sweep_at = max(PAUSES_SWEPT_AT, 2 * len(self._pauses))
         self._forget(key)
         for sleeper, wake_at in list(self._sleepers.get(key, {}).items()):
             if wake_at <= until:
@@ -213,6 +242,7 @@ class Pauses:
                 del self._sleepers[key]
 
     async def _listen(self) -> None:
+        delay = RESUBSCRIBE_DELAY
         while True:
             try:
                 async with pubsub(self._redis) as subscriber:
@@ -228,12 +258,15 @@ class Pauses:
                             self._read_at.clear()  # read before: not valid any more
                             self._subscribed.set()
                             self._failing = False
+                            delay = RESUBSCRIBE_DELAY
                         elif message["type"] == "message":
                             self._received(message["data"])
-            except (RedisError, OSError) as exc:
+            except Exception as exc:  # whatever it was: the listener goes on
                 self._listening_since = None
                 self._listen_failed(exc)
-                await sleep(RESUBSCRIBE_DELAY)
+                await sleep(delay)
+                if not isinstance(exc, (RedisError, OSError)):
+                    delay = min(2 * delay, MAX_RESUBSCRIBE_DELAY)
 
     def _listen_failed(self, exc: Exception) -> None:
         self._stats.inc_value(f"{STATS_PREFIX}/listener_errors/{type(exc).__name__}")
@@ -246,6 +279,8 @@ class Pauses:
             "this works, requests that reserved a moment within such a pause go at it",
             type(exc).__name__,
             exc,
+            # Not Redis's: a bug, whose traceback tells where.
+            exc_info=not isinstance(exc, RedisError),
             extra=self._log_extra(),
         )
 

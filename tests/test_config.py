@@ -410,7 +410,23 @@ def test_config_is_frozen() -> None:
         ("redis://localhost:6379/0", "redis://localhost:6379/0"),
         ("redis://:secret@host:6379/0", "redis://:***@host:6379/0"),
         ("rediss://user:secret@host:6379/0", "rediss://user:***@host:6379/0"),
+        # An unencoded "#" or "?" ends the netloc for URL parsers: the password would show.
+        ("redis://:se#cr?et@host:6379/0", "redis://:***@host:6379/0"),
+        ("redis://user:p@ss@host:6379/0", "redis://user:***@host:6379/0"),
+        ("redis://host:6379/0?password=secret&db=1", "redis://host:6379/0?password=***&db=1"),
+        ("unix:///run/redis.sock?db=0&Password=secret", "unix:///run/redis.sock?db=0&Password=***"),
+        ("redis://user@host:6379/0", "redis://user@host:6379/0"),
     ],
 )
 def test_passwords_are_not_logged(url: str, shown: str) -> None:
     assert redact_url(url) == shown
+
+
+@pytest.mark.parametrize(
+    "url", ["http://:secret@host", "http://host/?password=secret", "://:se#cret@host"]
+)
+def test_a_bad_url_is_named_without_its_password(url: str) -> None:
+    with pytest.raises(ThrottleConfigError, match="REDIS_URL must be a redis://") as error:
+        config(REDIS_URL=url)
+    assert "secret" not in str(error.value)
+    assert "cret" not in str(error.value)

@@ -1,0 +1,254 @@
+"""Hostile input: what a site sends (Retry-After, robots.txt Crawl-delay) is parsed into a
+bounded value or refused, counted and logged once per domain; it never opens the circuit
+breaker, and the other domains keep their pace. Sent by a real HTTP server to real crawls."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+from demo_site import HOSTS, DemoSite
+from local_redis import RedisServer
+from scrapy import signals
+from scrapy.settings import Settings
+from scrapy.statscollectors import MemoryStatsCollector
+from scrapy.utils.test import get_crawler
+from support import (
+    assert_paced,
+    async_test,
+    crawl_settings,
+    pages,
+    run_crawl,
+    wait_until_async,
+)
+
+from scrapy_redis_throttle.config import ThrottleConfig
+from scrapy_redis_throttle.connection import ThrottleRedis, close, connect
+from scrapy_redis_throttle.crawl_delay import MIN_CRAWL_DELAY, parse_crawl_delay
+from scrapy_redis_throttle.penalties import (
+    MAX_RETRY_AFTER,
+    PAUSES_SWEPT_AT,
+    Pauses,
+    parse_retry_after,
+)
+
+A, B, C = HOSTS
+
+
+def no_redis_failure(stats: dict[str, object]) -> None:
+    """The throttle's Redis never failed, and its breaker never opened."""
+    failures = {k: v for k, v in stats.items() if "redis_errors" in k or k.endswith("/outages")}
+    assert failures == {}, failures
+    assert "redis_throttle/fallback/local" not in stats, "no request paced without Redis"
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (b"0", 0.0),
+        (b"000007", 7.0),
+        (b"999999999", 999_999_999.0),
+        (b"1" + b"0" * 309, MAX_RETRY_AFTER),  # a float would be inf
+        (b"9" * 5000, MAX_RETRY_AFTER),
+        (b"Wed, 21 Oct 2015 07:28:00 GMT", 0.0),  # already past, by our clock (no Date)
+        (b"Fri, 31 Dec 9999 23:59:59 GMT", MAX_RETRY_AFTER),
+    ],
+)
+def test_a_retry_after_becomes_a_bounded_number_of_seconds(value: bytes, expected: float) -> None:
+    assert parse_retry_after(value, None) == expected
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "²".encode("latin-1"),  # a digit to str.isdigit(), not to float()
+        "¹²³".encode("latin-1"),
+        b"-5",
+        b"5.5",
+        b"1e3",
+        b"inf",
+        b"nan",
+        b"soon",
+        b"\x00\xff",
+        b"Mon, 01 Jan 99999999999999999999 00:00:00 GMT",  # OverflowError in the parser
+        b"x" * 10_000,
+    ],
+)
+def test_a_retry_after_that_is_no_delay_is_refused_saying_why(value: bytes) -> None:
+    with pytest.raises(ValueError, match="Retry-After") as refused:
+        parse_retry_after(value, None)
+    assert len(str(refused.value)) < 200, "the message quotes a bounded part of the value"
+
+
+def test_a_bad_date_header_leaves_the_retry_after_date_to_our_clock() -> None:
+    assert parse_retry_after(b"Wed, 21 Oct 2015 07:28:00 GMT", b"garbage") == 0.0
+    assert (
+        parse_retry_after(b"Wed, 21 Oct 2015 07:28:00 GMT", b"Wed, 21 Oct 2015 07:27:00 GMT") == 60
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (None, None),
+        (0, None),
+        (0.0, None),
+        (2, 2.0),
+        (0.5, 0.5),
+        (1e-320, MIN_CRAWL_DELAY),  # 1 / 1e-320 is inf: no rate
+        (5e-324, MIN_CRAWL_DELAY),
+        (math.inf, math.inf),  # REDIS_THROTTLE_MAX_CRAWL_DELAY caps it
+        (10**400, math.inf),  # no float holds it
+    ],
+    ids=str,
+)
+def test_a_crawl_delay_becomes_a_bounded_number_of_seconds(
+    value: object, expected: float | None
+) -> None:
+    assert parse_crawl_delay(value) == expected
+
+
+@pytest.mark.parametrize(
+    "value", [math.nan, -1, -math.inf, -(10**400), True, "5", b"5", [5]], ids=repr
+)
+def test_a_crawl_delay_that_is_no_delay_is_refused_saying_why(value: object) -> None:
+    with pytest.raises(ValueError, match="Crawl-delay"):
+        parse_crawl_delay(value)
+
+
+@async_test
+async def test_hostile_retry_after_headers_pause_only_their_domain(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A answers 429 with Retry-After "²", a 310-digit number, "0" and garbage, in turn
+    (Scrapy retries each page); B is crawled meanwhile. The unreadable ones pause A as if it
+    had none (the backoff), the huge one for REDIS_THROTTLE_MAX_PAUSE; nothing reaches Redis
+    as an error, and B keeps its pace."""
+    caplog.set_level(logging.WARNING, logger="scrapy_redis_throttle")
+    hostile = ["²", "1" + "0" * 309, "0", "soon"]
+    errors = {(A, f"/page/{n}"): [(429, {"Retry-After": value})] for n, value in enumerate(hostile)}
+    with DemoSite(HOSTS, pages=10, errors=errors) as site:
+        crawler = await run_crawl(
+            crawl_settings(
+                redis_server.url,
+                REDIS_THROTTLE_PENALTY_BACKOFF=0.2,
+                REDIS_THROTTLE_MAX_PAUSE=0.5,
+                RETRY_HTTP_CODES=[429],
+            ),
+            pages(site, A, len(hostile)) + pages(site, B, 10),
+            redis_throttle_rates={A: "10/s", B: "5/s"},
+        )
+        a_arrivals, b_times = site.arrivals(A), [a.time for a in site.arrivals(B)]
+    stats = crawler.stats.get_stats()
+    no_redis_failure(stats)
+    assert Counter(a.path for a in a_arrivals if a.status == 200) == {
+        f"/page/{n}": 1 for n in range(len(hostile))
+    }, "every page of A, once each, after its 429"
+    assert stats["redis_throttle/penalties/429"] == len(hostile)
+    assert stats["redis_throttle/rejected/retry_after"] == 2, "'²' and 'soon'"
+    assert_paced(b_times, rate=5, burst=1, what="B")
+    assert len(b_times) == 10
+    warnings = [r.getMessage() for r in caplog.records if "Retry-After" in r.getMessage()]
+    assert len(warnings) == 1, f"logged once for A: {warnings}"
+    assert "'²'" in warnings[0], warnings
+    assert f"from '{A}'" in warnings[0], warnings
+
+
+needs_robots_signal = pytest.mark.skipif(
+    not hasattr(signals, "robots_parsed"), reason="Scrapy < 2.18 has no robots_parsed signal"
+)
+
+
+@needs_robots_signal
+@async_test
+async def test_hostile_crawl_delays_affect_only_their_host(redis_server: RedisServer) -> None:
+    """A's robots.txt asks for a Crawl-delay of 1e-320 s, B's for 5e-324 (rates of 1 / delay
+    are infinite), C's for nan (Protego drops it): each host is crawled at its configured limit
+    (A's and B's, stricter than MIN_CRAWL_DELAY, stay), and nothing reaches Redis as an error."""
+    robots = {
+        host: f"User-agent: *\nCrawl-delay: {delay}\nAllow: /\n"
+        for host, delay in ((A, "1e-320"), (B, "5e-324"), (C, "nan"))
+    }
+    with DemoSite(HOSTS, pages=10, robots=robots) as site:
+        crawler = await run_crawl(
+            crawl_settings(redis_server.url, ROBOTSTXT_OBEY=True),
+            pages(site, A, 5) + pages(site, B, 5) + pages(site, C, 5),
+            redis_throttle_rates={A: "5/s", B: "5/s", C: "5/s"},
+        )
+        arrivals = {host: site.arrivals(host) for host in HOSTS}
+    stats = crawler.stats.get_stats()
+    no_redis_failure(stats)
+    for host in HOSTS:
+        paths = Counter(a.path for a in arrivals[host] if a.path != "/robots.txt")
+        assert paths == {f"/page/{n}": 1 for n in range(5)}, f"{host}: every page, once"
+        assert_paced([a.time for a in arrivals[host]], rate=5, burst=1, what=host)
+    assert stats["redis_throttle/crawl_delay/applied"] == 2, "A's and B's, as MIN_CRAWL_DELAY"
+
+
+def listening_pauses(
+    redis_server: RedisServer, release_parked: Callable[[str, float, float], None]
+) -> tuple[Pauses, ThrottleRedis, MemoryStatsCollector]:
+    config = ThrottleConfig.from_settings(Settings({"REDIS_THROTTLE_URL": redis_server.url}))
+    client = connect(config)
+    stats = MemoryStatsCollector(get_crawler())
+    pauses = Pauses(client, "ch", stats, dict, lambda _key: None, release_parked, longest=600)
+    return pauses, client, stats
+
+
+@async_test
+async def test_the_pauses_listener_survives_any_error_and_caps_what_it_hears(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An error the listener does not expect (here, from passing a pause on to the parking
+    area) is logged with its traceback and the listener subscribes again; a pause of 31 years
+    on the channel is kept for ``longest`` (600 s) only."""
+    caplog.set_level(logging.WARNING, logger="scrapy_redis_throttle")
+    failures = [RuntimeError("a bug")]
+
+    def release_parked(_key: str, _heard: float, _until: float) -> None:
+        if failures:
+            raise failures.pop()
+
+    pauses, client, stats = listening_pauses(redis_server, release_parked)
+    try:
+        await pauses.start()
+        with redis_server.client() as publisher:
+            publisher.publish("ch", b"1000000 a.example")
+            await wait_until_async(
+                lambda: stats.get_value("redis_throttle/listener_errors/RuntimeError") == 1,
+                "the error",
+            )
+            # Heard once the listener has subscribed again (1 s later): said until then.
+            await wait_until_async(
+                lambda: (
+                    publisher.publish("ch", b"999999999999999 b.example") >= 0
+                    and pauses.paused_for("b.example") > 0
+                ),
+                "the listener to subscribe again and hear the pause",
+            )
+    finally:
+        pauses.stop()
+        await close(client)
+    assert 599 < pauses.paused_for("b.example") <= 600
+    [warning] = [r for r in caplog.records if "cannot listen" in r.getMessage()]
+    assert warning.exc_info is not None, "a traceback, to find the bug"
+
+
+@async_test
+async def test_pauses_of_100000_domains_are_forgotten_once_they_end(
+    redis_server: RedisServer,
+) -> None:
+    pauses, client, _ = listening_pauses(redis_server, lambda *_: None)
+    try:
+        for n in range(10):
+            pauses.pause(f"long{n}.example", 60)
+        for n in range(100_000):
+            pauses.pause(f"host{n}.example", 0)  # ended as soon as it is kept
+        kept = len(pauses._pauses)
+    finally:
+        await close(client)
+    assert kept <= PAUSES_SWEPT_AT, f"{kept} domains' pauses kept"
+    assert all(pauses.paused_for(f"long{n}.example") > 59 for n in range(10)), "under way: kept"
