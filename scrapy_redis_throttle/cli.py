@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from .control import Change, DomainState
 
 WORKERS_OWN_LIMIT = "the workers' own limit"
+UNREADABLE_NOTE = "ignored, unreadable in Redis: "
 EXIT_REDIS_FAILED = 1
 EXIT_BAD_INPUT = 2
 
@@ -74,6 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         else:
             _status(control, config, args)
+        for problem in control.problems:
+            print(f"scrapy-redis-throttle: {UNREADABLE_NOTE}{problem}", file=sys.stderr)
     except (redis.RedisError, RedisClusterException) as exc:
         return _redis_failed(config, exc)
     except KeyboardInterrupt:
@@ -206,6 +209,9 @@ def _status(control: LiveControl, config: ThrottleConfig, args: argparse.Namespa
         table = _table(states, config, args.in_project, activity) if states else "No active domain."
         if len(domains) > args.top:
             table += f"\n... and {len(domains) - args.top} more (--top)"
+        # Under the table each time: a watch ends only with Ctrl-C.
+        table += "".join(f"\n{UNREADABLE_NOTE}{problem}" for problem in control.problems)
+        control.problems.clear()
         if args.watch is None:
             print(table)
             return

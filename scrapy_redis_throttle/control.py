@@ -8,9 +8,10 @@ have one are also listed in the set ``<prefix>:live``, for :meth:`LiveControl.li
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .activity import parked_key, report_pattern
 from .bucket import (
@@ -28,11 +29,19 @@ from .scripts import load_script
 from .server_clock import SCRIPT_EPOCH
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import redis
     import redis.cluster
 
+_T = TypeVar("_T")
+
 # How many bucket keys one SCAN call looks at.
 SCAN_COUNT = 1000
+# Unreadable values in Redis the tool reports, at the most (the rest are ignored unsaid).
+PROBLEMS_KEPT = 20
+# What a parse of a value read from Redis may raise: the value is unreadable.
+UNREADABLE = (ValueError, TypeError, KeyError, IndexError, OverflowError)
 
 
 @dataclass(frozen=True)
@@ -48,14 +57,17 @@ class LiveLimit:
 
     @classmethod
     def parse(cls, text: str) -> LiveLimit | None:
-        """From ``"<rate|-> <burst|-> <paused 0|1>[ <quotas>]"`` (see ``lua/set_limit.lua``)."""
-        fields = text.split()
-        if len(fields) not in (3, 4):
+        """From ``"<rate|-> <burst|-> <paused 0|1>[ <quotas>]"`` (see ``lua/set_limit.lua``);
+        None for none (no text); ValueError for anything else."""
+        if not text:
             return None
+        fields = text.split()
+        if len(fields) not in (3, 4) or fields[2] not in ("0", "1"):
+            raise ValueError(f"not a live limit: {text[:100]!r}")
         rate, burst, paused, *quotas = fields
         return cls(
-            rate=None if rate == "-" else float(rate),
-            burst=None if burst == "-" else int(burst),
+            rate=None if rate == "-" else _positive(rate),
+            burst=None if burst == "-" else _count(burst),
             paused=paused == "1",
             quotas=tuple(map(_quota, quotas[0].split(","))) if quotas else (),
         )
@@ -70,8 +82,8 @@ class LiveLimit:
 def _quota(text: str) -> Quota:
     """A quota from its text in a live limit: ``"f1000/3600000000"`` (see
     :attr:`.config.Quota.script_text`)."""
-    count, period = (float(number) for number in text[1:].split("/"))
-    algorithm = {code: name for name, code in ALGORITHM_CODES.items()}[text[0]]
+    count, period = (_positive(number) for number in text[1:].split("/"))
+    algorithm = {code: name for name, code in ALGORITHM_CODES.items()}[text[:1]]
     period /= 1e6
     if algorithm == TOKEN_BUCKET:
         return Quota(algorithm, count, period, format_rate(1 / period))
@@ -111,6 +123,9 @@ class LiveControl:
         self._client = client
         self._prefix = key_prefix
         self._set_limit = client.register_script(load_script("set_limit.lua"))
+        self.problems: list[str] = []
+        """Values read from Redis that could not be (another version's, or written by hand):
+        each one was taken as absent. At most PROBLEMS_KEPT."""
 
     @property
     def _index(self) -> str:
@@ -199,13 +214,28 @@ class LiveControl:
         totals: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0])
         for key, count in parked.items():
             # A parked request taken back before its park was reported counts -1 for a while.
-            totals[key_tag(_text(key))][1] += max(0, int(count))
-        for reply in replies:
-            for key, (went, held) in json.loads(reply or "{}").items():  # None: expired since
+            waiting = self._read(f"parked count {count!r:.60}", _count, count, absent=0, least=0)
+            totals[key_tag(_text(key))][1] += max(0, waiting)
+        for report, reply in zip(reports, replies, strict=True):
+            what = f"worker report {_text(report)!r:.100}"
+            entries: list[tuple[str, int, int]] = self._read(what, _report, reply, absent=[])
+            for key, went, held in entries:
                 total = totals[key_tag(key)]
                 total[0] += went
                 total[1] += held
         return {tag: (went, waiting) for tag, (went, waiting) in totals.items()}
+
+    def _read(
+        self, what: str, parse: Callable[..., _T], value: Any, absent: _T, **options: Any
+    ) -> _T:
+        """*parse(value, **options)*, a value read from Redis; if it cannot be, note *what*
+        could not be read and take *absent*."""
+        try:
+            return parse(value, **options)
+        except UNREADABLE as exc:
+            if len(self.problems) < PROBLEMS_KEPT:
+                self.problems.append(f"{what}: {exc}"[:300])
+            return absent
 
     def states(self, tags: list[str]) -> list[DomainState]:
         """The state of each domain (by its :func:`.bucket.key_tag`), read in one pipeline
@@ -219,32 +249,86 @@ class LiveControl:
             pipeline.hmget(key + PENALTY_SUFFIX, "strikes", "until")
             pipeline.get(key + RATE_SUFFIX)
         replies = pipeline.execute()
-        return [_state(tag, now, *replies[3 * n : 3 * n + 3]) for n, tag in enumerate(tags)]
+        return [self._state(tag, now, *replies[3 * n : 3 * n + 3]) for n, tag in enumerate(tags)]
+
+    def _state(
+        self,
+        domain: str,
+        now: float,
+        bucket: bytes | None,
+        penalty: list[bytes | None],
+        adaptive: bytes | None,
+    ) -> DomainState:
+        tat, _, live = _text(bucket or b"").partition(" ")
+        strikes, until = penalty
+        where = f"{domain!r}"
+        return DomainState(
+            domain=domain,
+            live=self._read(f"{where} live limit", LiveLimit.parse, live, absent=None),
+            full_in=self._read(f"{where} bucket", _seconds_to, tat or "0", absent=0.0, now=now),
+            penalty_pause=self._read(
+                f"{where} pause", _seconds_to, until or "0", absent=0.0, now=now
+            ),
+            strikes=self._read(f"{where} strikes", _count, strikes or "0", absent=0, least=0),
+            adaptive_rate=self._read(
+                f"{where} adaptive rate", _adaptive_rate, adaptive, absent=None, now=now
+            ),
+        )
 
 
-def _state(
-    domain: str,
-    now: float,
-    bucket: bytes | None,
-    penalty: list[bytes | None],
-    adaptive: bytes | None,
-) -> DomainState:
-    tat, _, live = _text(bucket or b"").partition(" ")
-    strikes, until = penalty
-    adaptive_rate = None
-    if adaptive is not None:
-        rate, since, slope, _ = (float(field) for field in adaptive.split())
-        adaptive_rate = rate + slope * max(0.0, now - since)
-    return DomainState(
-        domain=domain,
-        live=LiveLimit.parse(live),
-        full_in=max(0.0, (float(tat or 0) - now) / 1e6),
-        penalty_pause=max(0.0, (float(until or 0) - now) / 1e6),
-        strikes=int(strikes or 0),
-        adaptive_rate=adaptive_rate,
-    )
+def _seconds_to(moment_us: bytes | str, now: float) -> float:
+    """Seconds from *now* (µs of Redis's time, as the scripts count) to a moment; 0 if past."""
+    return max(0.0, (_finite(moment_us) - now) / 1e6)
+
+
+def _adaptive_rate(value: bytes | None, now: float) -> float | None:
+    """The rate now, from ``"<rate> <since µs> <slope> <configured>"`` (``lua/slow_down.lua``)."""
+    if value is None:
+        return None
+    rate, since, slope, _ = (_finite(field) for field in value.split())
+    return rate + slope * max(0.0, now - since)
+
+
+def _report(value: bytes | None) -> list[tuple[str, int, int]]:
+    """A worker's report (see :meth:`.activity.Activity.report`): ``{key: [went, held]}``; None:
+    expired since it was listed."""
+    if value is None:
+        return []
+    entries = json.loads(value)
+    if not isinstance(entries, dict):
+        raise ValueError("not a JSON object")
+    return [
+        (key, _count(went, least=0), _count(held, least=0)) for key, (went, held) in entries.items()
+    ]
+
+
+def _finite(value: bytes | str | float) -> float:
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{number!r} is not finite")
+    return number
+
+
+def _positive(value: str) -> float:
+    number = _finite(value)
+    if number <= 0:
+        raise ValueError(f"{number!r} is not positive")
+    return number
+
+
+def _count(value: object, least: int = 1) -> int:
+    """An integer of at least *least* (and at most 2**53: a float holds it), from Redis's text
+    or JSON (not a bool, not a float)."""
+    if isinstance(value, bytes):
+        value = value.decode("ascii")
+    if isinstance(value, str):
+        value = int(value) if value.isascii() else None  # int() takes "٣" too
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= 2**53:
+        raise ValueError(f"{value!r:.60} is not an integer of at least {least}")
+    return value
 
 
 def _text(value: bytes | str) -> str:
-    """A reply as text, whether the client decodes replies or not."""
-    return value.decode() if isinstance(value, bytes) else value
+    """A reply as text, whether the client decodes replies or not (an invalid byte shown as
+    such, rather than failing)."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else value

@@ -8,6 +8,7 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from demo_site import HOSTS, DemoSite
@@ -22,11 +23,14 @@ from support import (
     crawl_settings,
     pages,
     run_crawl,
+    tool,
     wait_until_async,
 )
 
+from scrapy_redis_throttle.bucket import bucket_key, penalty_key, rate_key
 from scrapy_redis_throttle.config import ThrottleConfig
 from scrapy_redis_throttle.connection import ThrottleRedis, close, connect
+from scrapy_redis_throttle.control import LiveControl
 from scrapy_redis_throttle.crawl_delay import MIN_CRAWL_DELAY, parse_crawl_delay
 from scrapy_redis_throttle.penalties import (
     MAX_RETRY_AFTER,
@@ -252,3 +256,66 @@ async def test_pauses_of_100000_domains_are_forgotten_once_they_end(
         await close(client)
     assert kept <= PAUSES_SWEPT_AT, f"{kept} domains' pauses kept"
     assert all(pauses.paused_for(f"long{n}.example") > 59 for n in range(10)), "under way: kept"
+
+
+# Values a neighbour (or another version) may have written under the fleet's keys, per domain:
+# its bucket (moment and live limit), its penalty hash, its adaptive rate.
+GARBAGE = {
+    "a.example": (b"soon 1 1 0", {}, None),  # the bucket's moment
+    "b.example": (b"0 fast - 0", {}, None),  # a live limit's rate
+    "c.example": (b"0 1 2 3 4 5", {}, None),  # a live limit's shape
+    "d.example": (b"0 1 1 0 z1/1000000", {}, None),  # a quota's algorithm
+    "e.example": (b"0 -5 1 0", {}, None),  # a negative rate
+    "f.example": (b"0 nan 1 0", {}, None),
+    "g.example": (b"0 1 1.5 0", {}, None),  # a fractional burst
+    "h.example": (b"0", {"strikes": "x", "until": "inf"}, None),
+    "i.example": (b"0", {}, b"1 2 three 4"),
+    "j.example": (b"0", {"strikes": "\xd9\xa3".encode("latin-1")}, None),  # "٣", an Arabic 3
+}
+
+
+def test_the_tool_shows_what_it_can_read_and_names_what_it_cannot(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Garbage under the fleet's keys (a live limit, a bucket, a penalty, an adaptive rate, the
+    workers' reports and parked counts): ``status``, ``get`` and ``list`` show the rest, take
+    each unreadable value as absent, and name it; they exit 0."""
+    prefix = "redis_throttle"
+    with redis_server.client() as client:
+        LiveControl(client, prefix).set("good.example", 2, 3)
+        for domain, (bucket, penalty, adaptive) in GARBAGE.items():
+            client.set(bucket_key(prefix, domain), bucket)
+            client.sadd(f"{prefix}:live", domain)
+            if penalty:
+                client.hset(penalty_key(prefix, domain), mapping=penalty)
+            if adaptive is not None:
+                client.set(rate_key(prefix, domain), adaptive)
+        client.set(f"{prefix}:worker:w1", b"not json")
+        client.set(f"{prefix}:worker:w2", b'{"good.example": [1, 2, 3]}')
+        client.set(f"{prefix}:worker:w3", b'{"good.example": [true, -1]}')
+        client.set(f"{prefix}:worker:w4", b'{"good.example": [4, 1]}')
+        client.hset(f"{prefix}:parked", mapping={"good.example": "many"})
+    url = ("--redis-url", redis_server.url)
+    status = tool(*url, "status", cwd=tmp_path)
+    assert status.returncode == 0, status.stderr
+    assert "Traceback" not in status.stderr
+    rows = {line.split()[0]: line for line in status.stdout.splitlines()}
+    assert "2/s (burst 3)" in rows["good.example"]
+    assert rows["good.example"].split()[-4:-2] == ["4", "1"], "w4 alone: 4 went, 1 held"
+    problems = [line for line in status.stdout.splitlines() if "unreadable in Redis" in line]
+    named = " ".join(problems)
+    for domain in GARBAGE:
+        assert f"{domain!r} " in named, f"{domain} named: {problems}"
+    for report in ("w1", "w2", "w3"):
+        assert f"{prefix}:worker:{report}" in named, report
+    assert "parked count" in named
+    for domain in ("a.example", "h.example"):
+        got = tool(*url, "get", domain, cwd=tmp_path)
+        assert got.returncode == 0, got.stderr
+        assert got.stdout.splitlines()[1].split()[0] == domain
+        assert f"unreadable in Redis: {domain!r} " in got.stderr
+    listed = tool(*url, "list", cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    # a.example's live limit is readable (its bucket's moment is not).
+    assert listed.stdout.splitlines() == ["a.example: 1/s (burst 1)", "good.example: 2/s (burst 3)"]
+    assert listed.stderr.count("' live limit: ") == 6, listed.stderr  # b. to g.
