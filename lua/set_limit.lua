@@ -21,25 +21,30 @@
 -- limits>]", "" when none), and how long the moments reserved before were to last (0 when none
 -- were voided).
 
+-- As token_bucket.lua: the longest interval and period (µs), the most limits set live.
+local MAX_INTERVAL, MAX_LIVE_LIMITS = 1e14, 16
+
 local action, rate, burst, limits = ARGV[1], ARGV[2], ARGV[3], ARGV[6] or ""
-local valid_rate = rate == "-" or (tonumber(rate) and tonumber(rate) > 0
-  and tonumber(rate) < math.huge)
+local valid_rate = rate == "-" or (tonumber(rate) and 1000000 / tonumber(rate) > 0
+  and 1000000 / tonumber(rate) <= MAX_INTERVAL)
 local valid_burst = burst == "-" or (tonumber(burst) and tonumber(burst) >= 1
   and tonumber(burst) == math.floor(tonumber(burst)) and tonumber(burst) < math.huge)
 -- Checked as token_bucket.lua checks them: a bad limit here would fail every acquire.
 local valid_limits = limits == "" or rate ~= "-"
+local limits_count = 0
 for item in string.gmatch(limits ~= "" and limits .. "," or "", "([^,]*),") do
   local algorithm, count, period = string.match(item, "^([tfs])([%d.eE+-]+)/([%d.eE+-]+)$")
   count, period = tonumber(count), tonumber(period)
+  limits_count = limits_count + 1
   valid_limits = valid_limits and count and period and count >= 1 and count < math.huge
-    and period > 0 and period < math.huge
+    and period > 0 and period <= MAX_INTERVAL and limits_count <= MAX_LIVE_LIMITS
     and (algorithm == "t" or (count == math.floor(count) and period == math.floor(period)))
 end
 if not (action == "set" or action == "delete" or action == "pause" or action == "resume")
     or not valid_rate or not valid_burst or not valid_limits or not ARGV[5] then
   return redis.error_reply("ERR redis_throttle: set_limit takes an action (set, delete, pause, "
-    .. "resume), a rate > 0 or -, an integer burst >= 1 or -, a channel, a name and more "
-    .. "limits with a rate; got " .. table.concat(ARGV, " "))
+    .. "resume), a rate > 0 (at least one per 1e14 µs) or -, an integer burst >= 1 or -, a "
+    .. "channel, a name and at most 16 more limits with a rate; got " .. table.concat(ARGV, " "))
 end
 
 local time = redis.call("TIME")

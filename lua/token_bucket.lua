@@ -58,13 +58,28 @@ local function number_arg(index, name, minimum, inclusive, default)
   return number
 end
 
+-- The longest interval (µs per token) and period, about 3 years: past what config.py takes (at
+-- most 1/365d), and every moment stays an exact integer of a double.
+local MAX_INTERVAL = 1e14
+-- The most limits set live that a call reads (set_limit.lua refuses more): bounded work.
+local MAX_LIVE_LIMITS = 16
+
+-- Whether algorithm, count and period (numbers, or nil) make a limit: a window's count and
+-- period are whole numbers (window n starts at n x period exactly).
+local function limit_ok(algorithm, count, period)
+  return (algorithm == "t" or algorithm == "f" or algorithm == "s") and count ~= nil
+    and period ~= nil and count >= 1 and count < math.huge and period > 0
+    and period <= MAX_INTERVAL
+    and (algorithm == "t" or (count == math.floor(count) and period == math.floor(period)))
+end
+
 -- One test of every argument on the way of every call (a function call per argument cost 6%
 -- more Redis CPU per call); number_arg names the bad one. Comparisons with NaN are false.
 local huge = math.huge
 local interval, burst, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local reserve, busy_for = tonumber(ARGV[4] or "0"), tonumber(ARGV[5] or "0")
 if not (interval and burst and cost and reserve and busy_for
-    and interval > 0 and interval < huge and burst >= 1 and burst < huge
+    and interval > 0 and interval <= MAX_INTERVAL and burst >= 1 and burst < huge
     and cost > 0 and cost < huge and reserve >= 0 and reserve < huge
     and busy_for >= 0 and busy_for < huge) then
   number_arg(1, "interval", 0, false)
@@ -72,6 +87,7 @@ if not (interval and burst and cost and reserve and busy_for
   number_arg(3, "cost", 0, false)
   number_arg(4, "reserve", 0, true, "0")
   number_arg(5, "busy_for", 0, true, "0")
+  return redis.error_reply("ERR redis_throttle: interval must be at most 1e14, got " .. ARGV[1])
 end
 if cost > burst then
   -- Such a request could never go: refuse it instead of making it wait forever.
@@ -101,15 +117,23 @@ if state and not tat then
     return {3, 0, 0, now}
   end
   tat, live = tonumber(tat), live or ""
-  if tonumber(rate) then
-    interval = 1000000 / tonumber(rate)
+  -- Read from Redis, checked as the arguments are: a field that is no limit (garbage, written
+  -- by hand) is ignored and the workers' own applies, never an error every request would get.
+  local live_rate, live_count = tonumber(rate), tonumber(live_burst)
+  if live_rate and live_rate > 0 and 1000000 / live_rate > 0
+      and 1000000 / live_rate <= MAX_INTERVAL then
+    interval = 1000000 / live_rate
   else
     live_limits = nil
   end
-  if tonumber(live_burst) then
-    burst = tonumber(live_burst)
+  if live_count and live_count >= 1 and live_count < huge
+      and live_count == math.floor(live_count) then
+    burst = live_count
     cost = math.min(cost, burst)
   end
+end
+if tat and not (tat > -huge and tat < huge) then  -- NaN, or digits past a double's range
+  tat = nil
 end
 
 -- The more limits (nil: none): those set live with the rate, else ARGV's.
@@ -117,9 +141,17 @@ local limits
 if live_limits and live_limits ~= "" then
   limits = {}
   for algorithm, count, period in string.gmatch(live_limits, "(%a)([^/,]+)/([^,]+)") do
-    limits[#limits + 1] = {algorithm, count, period}
-    -- As with a live burst: a request the workers' own limits let cost more goes at this cost.
-    cost = math.min(cost, tonumber(count) or cost)
+    if #limits == MAX_LIVE_LIMITS then
+      break
+    end
+    if limit_ok(algorithm, tonumber(count), tonumber(period)) then  -- else ignored, as above
+      limits[#limits + 1] = {algorithm, count, period}
+      -- As with a live burst: a request the workers' own limits let cost more goes at this cost.
+      cost = math.min(cost, tonumber(count))
+    end
+  end
+  if #limits == 0 then
+    limits = nil
   end
 elseif not live_limits and ARGV[6] then
   limits = {}
@@ -133,9 +165,13 @@ end
 
 if KEYS[2] then
   local rate, since, slope = string.match(redis.call("GET", KEYS[2]) or "", "^(%S+) (%S+) (%S+)")
-  if rate then
-    local lowered = tonumber(rate) + tonumber(slope) * math.max(0, now - tonumber(since))
-    interval = math.max(interval, 1000000 / lowered)
+  rate, since, slope = tonumber(rate), tonumber(since), tonumber(slope)
+  if rate and since and slope then
+    local lowered = rate + slope * math.max(0, now - since)
+    -- A lowered rate that is none (garbage in the key) is ignored, as a live field.
+    if lowered > 0 and 1000000 / lowered <= MAX_INTERVAL then
+      interval = math.max(interval, 1000000 / lowered)
+    end
   end
 end
 
@@ -156,13 +192,9 @@ if limits then
   local moment = now + wait
   for index, limit in ipairs(limits) do
     local algorithm, count, period = limit[1], tonumber(limit[2]), tonumber(limit[3])
-    -- A window's count and period are whole numbers: window n starts at n x period exactly.
-    local whole = count and period and count == math.floor(count) and period == math.floor(period)
-    if not ((algorithm == "t" or algorithm == "f" or algorithm == "s") and count and period
-        and count >= 1 and count < huge and period > 0 and period < huge
-        and (algorithm == "t" or whole)) then
+    if not limit_ok(algorithm, count, period) then
       return redis.error_reply("ERR redis_throttle: limit " .. index .. " must be t, f or s, a "
-        .. "count >= 1 and a period > 0 (both whole for windows), got "
+        .. "count >= 1 and a period > 0, at most 1e14 (both whole for windows), got "
         .. table.concat({tostring(limit[1]), tostring(limit[2]), tostring(limit[3])}, " "))
     end
     if counted > count then

@@ -13,8 +13,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote_plus, urlsplit
 
+from redis.connection import parse_url
 from scrapy.exceptions import NotConfigured
 
 if TYPE_CHECKING:
@@ -38,6 +39,9 @@ DEFAULT_MAX_CRAWL_DELAY = 30.0
 DEFAULT_PENALTY_HTTP_CODES = (429, 503)
 DEFAULT_PENALTY_BACKOFF = 2.0
 DEFAULT_MAX_PAUSE = 600.0
+# The longest period of a rate or window, and the slowest rate (one request per it), in seconds:
+# the scripts keep moments in µs, exact in a double (lua/token_bucket.lua takes up to 1e14 µs).
+MAX_PERIOD = 365 * 86400.0
 DEFAULT_PENALTY_DECAY = 60.0
 # AutoThrottle's AUTOTHROTTLE_MAX_DELAY is 60 s too.
 DEFAULT_ADAPTIVE_MIN_RATE = "1/m"
@@ -230,12 +234,17 @@ def _rate_parts(value: object, *, source: str) -> tuple[float, float]:
         )
     if not (math.isfinite(count / period) and count > 0):
         raise ThrottleConfigError(f"{source}: rate must be positive and finite, got {value!r}")
+    if period > MAX_PERIOD or count / period < 1 / MAX_PERIOD:
+        raise ThrottleConfigError(
+            f"{source}: rate {value!r} is too slow: at least one request per 365 days, over a "
+            f"period of at most 365 days"
+        )
     return count, period
 
 
 def parse_positive_int(value: object, *, source: str, what: str) -> int:
     """An integer >= 1; digit strings (from ``scrapy crawl -s NAME=3``) are accepted."""
-    if isinstance(value, str) and value.strip().isdigit():
+    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ThrottleConfigError(f"{source}: {what} must be an integer >= 1, got {value!r}")
@@ -425,17 +434,35 @@ class Cluster:
 
 
 def redact_url(url: str) -> str:
-    """*url* with its password replaced, for logs and errors: the one after the user name
-    (up to the last ``@``, which a password with an unencoded ``#`` or ``?`` hides from URL
-    parsers) and a ``password=`` in the query."""
+    """*url* with its password replaced, for logs and errors: the one after the user name (up
+    to the last ``@``, which a password with an unencoded ``#`` or ``?`` hides from URL
+    parsers) and a ``password=`` in the query (its name maybe percent-encoded). Where redis-py
+    would still read a password that shows, only the scheme is shown."""
+    # redis-py drops these wherever they are.
+    url = url.translate(_DROPPED)
+    shown = url
     scheme, separator, rest = url.partition("://")
     userinfo, at, location = rest.rpartition("@")
     if separator and at and ":" in userinfo:
-        url = f"{scheme}://{userinfo.split(':', 1)[0]}:***@{location}"
-    return _QUERY_PASSWORD.sub(r"\1***", url)
+        shown = f"{scheme}://{userinfo.split(':', 1)[0]}:***@{location}"
+    base, question, query = shown.partition("?")
+    if question:
+        shown = f"{base}?" + "&".join(
+            f"{pair.partition('=')[0]}=***" if _is_password(pair) else pair
+            for pair in query.split("&")
+        )
+    try:
+        password = parse_url(url).get("password")  # type: ignore[no-untyped-call]
+    except Exception:  # not a URL redis-py reads: no password it would use
+        password = None
+    return f"{scheme}://***" if password and str(password) in shown else shown
 
 
-_QUERY_PASSWORD = re.compile(r"([?&;]password=)[^&;#]*", re.IGNORECASE)
+_DROPPED = str.maketrans("", "", "\t\r\n")
+
+
+def _is_password(pair: str) -> bool:
+    return unquote_plus(pair.partition("=")[0]).strip().lower() == "password"
 
 
 @dataclass(frozen=True)
@@ -681,7 +708,10 @@ def _getdict(settings: BaseSettings, name: str) -> Mapping[Any, Any]:
     try:
         return settings.getdict(name)
     except (ValueError, TypeError) as exc:  # not a dict, nor a JSON object string
-        raise ThrottleConfigError(f"{name} must be a dict, got {settings.get(name)!r}") from exc
+        value = settings.get(name)
+        # Connection parameters may hold a password: their type only.
+        shown = f"a {type(value).__name__}" if name.endswith("PARAMS") else repr(value)
+        raise ThrottleConfigError(f"{name} must be a dict, got {shown}") from exc
 
 
 def _redis_url(settings: BaseSettings, own_setting: str | None = "REDIS_THROTTLE_URL") -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from typing import TYPE_CHECKING, Any
 
 from scrapy import signals
@@ -41,12 +42,14 @@ def parse_crawl_delay(value: object) -> float | None:
     number of seconds."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"Crawl-delay of type {type(value).__name__}: not a number")
     try:
         seconds = float(value)
     except OverflowError:  # an int of 400 digits
-        seconds = math.inf if value > 0 else -math.inf
+        seconds = -math.inf if isinstance(value, int) and value < 0 else math.inf
+    except Exception as exc:  # a custom parser's number, whose __float__ may raise anything
+        raise ValueError(f"Crawl-delay of type {type(value).__name__}: {exc!r:.100}") from None
     if math.isnan(seconds) or seconds < 0:
         raise ValueError(f"Crawl-delay {seconds!r}: not a number of seconds")
     return max(MIN_CRAWL_DELAY, seconds) if seconds else None

@@ -22,6 +22,7 @@ import time
 from contextlib import suppress
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
+from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -63,9 +64,13 @@ MAX_PAUSE_DIGITS = 15
 # every pause far below anyway.
 MAX_RETRY_AFTER_DIGITS = 9
 MAX_RETRY_AFTER = 1e9
-# Pauses kept before ended ones are swept out (then twice as many as are left under way): the
-# memory of a worker that meets 100,000 paused domains stays that of the pauses under way.
-PAUSES_SWEPT_AT = 1000
+# Each new pause looks at this many of the domains paused longest ago and forgets those whose
+# pauses ended: the memory of a worker that meets 100,000 paused domains stays that of the
+# pauses under way, at a bounded cost per pause.
+SWEEP_STEP = 4
+# A domain's pauses under way, at the most: more are merged into one that voids all they void
+# (and more: the polite side), so that a channel flooded with pauses costs no more to check.
+PAUSES_PER_KEY = 8
 # Keys whose voiding was read from Redis, at the most (see Pauses.read).
 READS_KEPT = 10_000
 # A pause heard and ending within this much of one already known is that one (read again from
@@ -130,7 +135,6 @@ class Pauses:
         # key -> (wall time it was heard of, loop time it ends) of each pause under way: a
         # reservation made before one of them, for a moment within it, is void.
         self._pauses: dict[str, list[tuple[float, float]]] = {}
-        self._sweep_at = PAUSES_SWEPT_AT
         # key -> the waits of requests whose moment is reserved: loop time each one ends at
         self._sleepers: dict[str, dict[Deferred[None], float]] = {}
         self._listener: asyncio.Task[None] | None = None
@@ -141,6 +145,7 @@ class Pauses:
         self._read_at: dict[str, float] = {}
         self._subscribed = asyncio.Event()
         self._bad_message_logged = False
+        self._pass_on_failure_logged = False
 
     async def start(self) -> None:
         """Listen, and wait a little for the subscription to be in force."""
@@ -165,11 +170,14 @@ class Pauses:
         pauses = self._under_way(key)
         if any(h >= heard - SAME_PAUSE and u >= until - SAME_PAUSE for h, u in pauses):
             return
-        self._pauses[key] = [*pauses, (heard, until)]
-        if len(self._pauses) >= self._sweep_at:
-            for each in list(self._pauses):
-                self._under_way(each)
-            self._sweep_at = max(PAUSES_SWEPT_AT, 2 * len(self._pauses))
+        # One heard earlier and ending sooner voids nothing this one does not.
+        pauses = [(h, u) for h, u in pauses if h > heard or u > until]
+        pauses.append((heard, until))
+        if len(pauses) > PAUSES_PER_KEY:
+            pauses = [(max(h for h, _ in pauses), max(u for _, u in pauses))]
+        self._pauses[key] = pauses
+        for each in list(islice(self._pauses, SWEEP_STEP)):
+            self._under_way(each)  # forgotten if ended, else to the back of the line
         self._forget(key)
         for sleeper, wake_at in list(self._sleepers.get(key, {}).items()):
             if wake_at <= until:
@@ -244,6 +252,7 @@ class Pauses:
     async def _listen(self) -> None:
         delay = RESUBSCRIBE_DELAY
         while True:
+            subscribed_at = None
             try:
                 async with pubsub(self._redis) as subscriber:
                     await subscriber.subscribe(self._channel)
@@ -254,16 +263,19 @@ class Pauses:
                         if message["type"] == "subscribe":
                             # Every message published from now on reaches this worker: Redis
                             # confirms a subscription once it is in force.
-                            self._listening_since = time.time()
+                            self._listening_since = subscribed_at = time.time()
                             self._read_at.clear()  # read before: not valid any more
                             self._subscribed.set()
                             self._failing = False
-                            delay = RESUBSCRIBE_DELAY
                         elif message["type"] == "message":
                             self._received(message["data"])
             except Exception as exc:  # whatever it was: the listener goes on
                 self._listening_since = None
                 self._listen_failed(exc)
+                # Doubled while it fails again soon after subscribing: a failure that comes
+                # back at once costs a subscription (and a WARNING) at most every 30 s.
+                if subscribed_at is not None and time.time() - subscribed_at > delay:
+                    delay = RESUBSCRIBE_DELAY
                 await sleep(delay)
                 if not isinstance(exc, (RedisError, OSError)):
                     delay = min(2 * delay, MAX_RESUBSCRIBE_DELAY)
@@ -288,7 +300,19 @@ class Pauses:
         pause_us, _, key = data.decode("utf-8", "surrogateescape").partition(" ")
         # Anyone who may publish on the channel can send anything: a bad message voids nothing.
         if pause_us.isascii() and pause_us.isdigit() and len(pause_us) <= MAX_PAUSE_DIGITS and key:
-            self.pause(key, int(pause_us) / 1e6)
+            try:
+                self.pause(key, int(pause_us) / 1e6)
+            except Exception as exc:  # a bug passing it on: the subscription and the next go on
+                self._stats.inc_value(f"{STATS_PREFIX}/listener_errors/{type(exc).__name__}")
+                if not self._pass_on_failure_logged:
+                    self._pass_on_failure_logged = True
+                    logger.exception(
+                        "Redis throttle: a pause heard for %r could not be passed on to all the "
+                        "requests it voids (logged once; counted in %s/listener_errors)",
+                        key,
+                        STATS_PREFIX,
+                        extra=self._log_extra(),
+                    )
             return
         self._stats.inc_value(f"{STATS_PREFIX}/bad_messages")
         if not self._bad_message_logged:

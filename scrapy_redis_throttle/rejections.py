@@ -35,12 +35,12 @@ class Rejections:
         stat = f"{STATS_PREFIX}/rejected/{kind}"
         self._stats.inc_value(stat)
         logged = self._logged.setdefault(kind, set())
-        if domain in logged or len(logged) > LOGGED_DOMAINS:
+        if domain in logged or len(logged) >= LOGGED_DOMAINS:
             return
         logged.add(domain)
         more = (
             f"; no more are logged (counted in {stat})"
-            if len(logged) > LOGGED_DOMAINS
+            if len(logged) == LOGGED_DOMAINS
             else f" (logged once per domain, counted in {stat})"
         )
         logger.warning(

@@ -416,6 +416,11 @@ def test_config_is_frozen() -> None:
         ("redis://host:6379/0?password=secret&db=1", "redis://host:6379/0?password=***&db=1"),
         ("unix:///run/redis.sock?db=0&Password=secret", "unix:///run/redis.sock?db=0&Password=***"),
         ("redis://user@host:6379/0", "redis://user@host:6379/0"),
+        # redis-py drops tabs and line ends, decodes the query's names, splits it at "&" only.
+        ("redis:/\t/:secret@host:6379/0", "redis://:***@host:6379/0"),
+        ("redis://host/0?%70assword=secret", "redis://host/0?%70assword=***"),
+        ("redis://host/0?pass%77ord=secret&db=1", "redis://host/0?pass%77ord=***&db=1"),
+        ("redis://host/0?password=sec;ret", "redis://host/0?password=***"),
     ],
 )
 def test_passwords_are_not_logged(url: str, shown: str) -> None:
@@ -430,3 +435,11 @@ def test_a_bad_url_is_named_without_its_password(url: str) -> None:
         config(REDIS_URL=url)
     assert "secret" not in str(error.value)
     assert "cret" not in str(error.value)
+
+
+@pytest.mark.parametrize("name", ["REDIS_PARAMS", "REDIS_THROTTLE_PARAMS"])
+def test_bad_connection_parameters_are_named_without_their_value(name: str) -> None:
+    """Not JSON (a trailing comma): the value, which may hold a password, is not shown."""
+    with pytest.raises(ThrottleConfigError, match=f"{name} must be a dict, got a str") as error:
+        config(**{name: '{"password": "secret", }'})
+    assert "secret" not in str(error.value)

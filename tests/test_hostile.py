@@ -4,8 +4,10 @@ breaker, and the other domains keep their pace. Sent by a real HTTP server to re
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -28,16 +30,19 @@ from support import (
 )
 
 from scrapy_redis_throttle.bucket import bucket_key, penalty_key, rate_key
-from scrapy_redis_throttle.config import ThrottleConfig
+from scrapy_redis_throttle.cli import EXIT_BAD_INPUT
+from scrapy_redis_throttle.config import ThrottleConfig, ThrottleConfigError
 from scrapy_redis_throttle.connection import ThrottleRedis, close, connect
 from scrapy_redis_throttle.control import LiveControl
 from scrapy_redis_throttle.crawl_delay import MIN_CRAWL_DELAY, parse_crawl_delay
 from scrapy_redis_throttle.penalties import (
     MAX_RETRY_AFTER,
-    PAUSES_SWEPT_AT,
+    PAUSES_PER_KEY,
+    SWEEP_STEP,
     Pauses,
     parse_retry_after,
 )
+from scrapy_redis_throttle.scripts import load_script
 
 A, B, C = HOSTS
 
@@ -169,18 +174,19 @@ needs_robots_signal = pytest.mark.skipif(
 @needs_robots_signal
 @async_test
 async def test_hostile_crawl_delays_affect_only_their_host(redis_server: RedisServer) -> None:
-    """A's robots.txt asks for a Crawl-delay of 1e-320 s, B's for 5e-324 (rates of 1 / delay
-    are infinite), C's for nan (Protego drops it): each host is crawled at its configured limit
-    (A's and B's, stricter than MIN_CRAWL_DELAY, stay), and nothing reaches Redis as an error."""
+    """A's robots.txt asks for a Crawl-delay of 1e-320 s and A has no limit of its own: one
+    request per delay would be an infinite rate; it becomes 1 ms (1000/s). B's asks for 5e-324
+    under a configured 5/s, which stays; C's for nan (Protego drops it). Nothing reaches Redis
+    as an error, every page is fetched."""
     robots = {
         host: f"User-agent: *\nCrawl-delay: {delay}\nAllow: /\n"
         for host, delay in ((A, "1e-320"), (B, "5e-324"), (C, "nan"))
     }
     with DemoSite(HOSTS, pages=10, robots=robots) as site:
         crawler = await run_crawl(
-            crawl_settings(redis_server.url, ROBOTSTXT_OBEY=True),
+            crawl_settings(redis_server.url, ROBOTSTXT_OBEY=True, REDIS_THROTTLE_DEFAULT_RATE=None),
             pages(site, A, 5) + pages(site, B, 5) + pages(site, C, 5),
-            redis_throttle_rates={A: "5/s", B: "5/s", C: "5/s"},
+            redis_throttle_rates={B: "5/s", C: "5/s"},
         )
         arrivals = {host: site.arrivals(host) for host in HOSTS}
     stats = crawler.stats.get_stats()
@@ -188,6 +194,7 @@ async def test_hostile_crawl_delays_affect_only_their_host(redis_server: RedisSe
     for host in HOSTS:
         paths = Counter(a.path for a in arrivals[host] if a.path != "/robots.txt")
         assert paths == {f"/page/{n}": 1 for n in range(5)}, f"{host}: every page, once"
+    for host in (B, C):
         assert_paced([a.time for a in arrivals[host]], rate=5, burst=1, what=host)
     assert stats["redis_throttle/crawl_delay/applied"] == 2, "A's and B's, as MIN_CRAWL_DELAY"
 
@@ -207,10 +214,10 @@ async def test_the_pauses_listener_survives_any_error_and_caps_what_it_hears(
     redis_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     """An error the listener does not expect (here, from passing a pause on to the parking
-    area) is logged with its traceback and the listener subscribes again; a pause of 31 years
-    on the channel is kept for ``longest`` (600 s) only."""
+    area) is counted and logged with its traceback, once, and the listener hears the next
+    message; a pause of 31 years on the channel is kept for ``longest`` (600 s) only."""
     caplog.set_level(logging.WARNING, logger="scrapy_redis_throttle")
-    failures = [RuntimeError("a bug")]
+    failures = [RuntimeError("a bug"), RuntimeError("a bug")]
 
     def release_parked(_key: str, _heard: float, _until: float) -> None:
         if failures:
@@ -220,24 +227,20 @@ async def test_the_pauses_listener_survives_any_error_and_caps_what_it_hears(
     try:
         await pauses.start()
         with redis_server.client() as publisher:
-            publisher.publish("ch", b"1000000 a.example")
-            await wait_until_async(
-                lambda: stats.get_value("redis_throttle/listener_errors/RuntimeError") == 1,
-                "the error",
-            )
-            # Heard once the listener has subscribed again (1 s later): said until then.
-            await wait_until_async(
-                lambda: (
-                    publisher.publish("ch", b"999999999999999 b.example") >= 0
-                    and pauses.paused_for("b.example") > 0
-                ),
-                "the listener to subscribe again and hear the pause",
-            )
+            for message in (
+                b"1000000 a.example",
+                b"2000000 c.example",
+                b"999999999999999 b.example",
+            ):
+                publisher.publish("ch", message)
+            await wait_until_async(lambda: pauses.paused_for("b.example") > 0, "the third pause")
     finally:
         pauses.stop()
         await close(client)
+    assert stats.get_value("redis_throttle/listener_errors/RuntimeError") == 2
+    assert pauses.paused_for("a.example") > 0, "kept, though not passed on"
     assert 599 < pauses.paused_for("b.example") <= 600
-    [warning] = [r for r in caplog.records if "cannot listen" in r.getMessage()]
+    [warning] = [r for r in caplog.records if "could not be passed on" in r.getMessage()]
     assert warning.exc_info is not None, "a traceback, to find the bug"
 
 
@@ -254,8 +257,29 @@ async def test_pauses_of_100000_domains_are_forgotten_once_they_end(
         kept = len(pauses._pauses)
     finally:
         await close(client)
-    assert kept <= PAUSES_SWEPT_AT, f"{kept} domains' pauses kept"
-    assert all(pauses.paused_for(f"long{n}.example") > 59 for n in range(10)), "under way: kept"
+    assert kept <= 10 + SWEEP_STEP, f"{kept} domains' pauses kept"
+    assert all(pauses.paused_for(f"long{n}.example") > 0 for n in range(10)), "under way: kept"
+
+
+@async_test
+async def test_a_flood_of_pauses_for_one_domain_keeps_a_few_that_void_as_much(
+    redis_server: RedisServer,
+) -> None:
+    """Pauses heard later and ending sooner, one after the other (a channel flooded on
+    purpose): a domain keeps at most PAUSES_PER_KEY, and every moment any of them voids stays
+    void."""
+    pauses, client, _ = listening_pauses(redis_server, lambda *_: None)
+    try:
+        reserved_before = time.time() - 1
+        for n in range(1000):
+            pauses.pause("a.example", 600 - n / 10, age=-n / 1000)  # heard 1 ms later each
+        kept = len(pauses._pauses["a.example"])
+        soon = asyncio.get_running_loop().time() + 1
+        voided = pauses.voided("a.example", reserved_before, soon + 590)
+    finally:
+        await close(client)
+    assert kept <= PAUSES_PER_KEY
+    assert voided, "the first pause, 600 s long, still voids a moment 591 s ahead"
 
 
 # Values a neighbour (or another version) may have written under the fleet's keys, per domain:
@@ -319,3 +343,84 @@ def test_the_tool_shows_what_it_can_read_and_names_what_it_cannot(
     # a.example's live limit is readable (its bucket's moment is not).
     assert listed.stdout.splitlines() == ["a.example: 1/s (burst 1)", "good.example: 2/s (burst 3)"]
     assert listed.stderr.count("' live limit: ") == 6, listed.stderr  # b. to g.
+
+
+TEN_PER_SECOND = ["100000", "1", "1", "10000000"]  # interval µs, burst, cost, reserve µs
+
+
+@pytest.mark.parametrize(
+    "live",
+    [
+        b"-5 - 0",  # a negative rate
+        b"inf - 0",
+        b"nan - 0",
+        b"1e-300 - 0",  # an interval past 1e14 µs
+        b"- 0 0",  # a burst of 0
+        b"- -3 0",
+        b"- 2.5 0",  # a fractional burst: 2.5 tokens
+        b"- nan 0",
+        b"10 - 0 z1/1000000",  # an unknown algorithm
+        b"10 - 0 s0/1000000",  # a count of 0
+        b"10 - 0 f1/1.5",  # a window of a fractional period
+        b"10 - 0 s1/1e300",
+        b"10 - 0 " + b",".join(b"t1/%d" % (n + 1) for n in range(10_000)),  # 10,000 quotas
+    ],
+    ids=lambda live: live[:30].decode(),
+)
+def test_a_garbage_live_limit_in_redis_is_ignored_not_an_error(
+    redis_server: RedisServer, live: bytes
+) -> None:
+    """A worker's acquire reads the domain's live limit from Redis in the same call: a field that
+    is no limit is ignored (the workers' own applies: 10/s), never an error (which every request
+    to the domain, of every worker, would get, and count as a Redis failure)."""
+    with redis_server.client() as client:
+        acquire = client.register_script(load_script("token_bucket.lua"))
+        key = bucket_key("ns", "a.example")
+        client.set(key, b"0 " + live)
+        # More limits set live (valid ones among them) make the caller call again with KEYS[2..4].
+        keys = [key, rate_key("ns", "a.example"), key + ":q", key + ":l"]
+        first = acquire(keys=keys, args=TEN_PER_SECOND)
+        second = acquire(keys=keys, args=TEN_PER_SECOND)
+    assert first[:2] == [1, 0]
+    assert second[0] == 2
+    assert second[1] <= 100_000 or live.startswith(b"10 "), "the workers' 10/s, or the live 10/s"
+
+
+@pytest.mark.parametrize("adaptive", [b"nan 0 0 5", b"-1 0 0 5", b"x y z 5", b"0 0 0 5"])
+def test_a_garbage_adaptive_rate_in_redis_is_ignored(
+    redis_server: RedisServer, adaptive: bytes
+) -> None:
+    with redis_server.client() as client:
+        acquire = client.register_script(load_script("token_bucket.lua"))
+        key = bucket_key("ns", "a.example")
+        client.set(rate_key("ns", "a.example"), adaptive)
+        keys = [key, rate_key("ns", "a.example")]
+        assert acquire(keys=keys, args=TEN_PER_SECOND)[:2] == [1, 0]
+        status, wait_us, *_ = acquire(keys=keys, args=TEN_PER_SECOND)
+    assert (status, wait_us <= 100_000) == (2, True), "the configured 10/s"
+
+
+@pytest.mark.parametrize(
+    ("setting", "argument"),
+    [
+        ("1/1000000000d", "1/1000000000d"),  # its interval would not fit Redis's integers
+        ("1/400d", "1/400d"),
+        (1e-9, "0.000000001"),
+        ({"rate": "100/400d", "algorithm": "sliding_window"}, "sliding_window:100/400d"),
+    ],
+    ids=str,
+)
+def test_rates_too_slow_to_keep_are_refused_at_start_up_and_by_the_tool(
+    redis_server: RedisServer, tmp_path: Path, setting: object, argument: str
+) -> None:
+    with pytest.raises(ThrottleConfigError, match="too slow"):
+        ThrottleConfig.from_settings(Settings({"REDIS_THROTTLE_RATES": {"a": setting}}))
+    done = tool("--redis-url", redis_server.url, "set", "a.example", argument, cwd=tmp_path)
+    assert done.returncode == EXIT_BAD_INPUT
+    assert "too slow" in done.stderr
+    assert ThrottleConfig.from_settings(Settings({"REDIS_THROTTLE_RATES": {"a": "1/365d"}}))
+
+
+def test_a_burst_of_non_ascii_digits_is_a_configuration_error() -> None:
+    with pytest.raises(ThrottleConfigError, match="burst must be an integer"):
+        ThrottleConfig.from_settings(Settings({"REDIS_THROTTLE_DEFAULT_BURST": "²"}))
