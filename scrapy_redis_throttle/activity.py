@@ -37,7 +37,8 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .resilience import STATS_PREFIX, sleep
+from .config import STATS_PREFIX
+from .resilience import sleep
 from .scripts import lua_script
 
 if TYPE_CHECKING:

@@ -38,6 +38,8 @@ DEFAULT_REPORT_INTERVAL = 5.0
 DEFAULT_MAX_CRAWL_DELAY = 30.0
 DEFAULT_PENALTY_HTTP_CODES = (429, 503)
 DEFAULT_PENALTY_BACKOFF = 2.0
+# Of every stat: redis_throttle/<name>.
+STATS_PREFIX = "redis_throttle"
 DEFAULT_MAX_PAUSE = 600.0
 # The longest period of a rate or window, and the slowest rate (one request per it), in seconds:
 # the scripts keep moments in µs, exact in a double (lua/token_bucket.lua takes up to 1e14 µs).

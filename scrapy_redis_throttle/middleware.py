@@ -45,6 +45,7 @@ from twisted.internet.error import TimeoutError as TwistedTimeoutError
 from .activity import Activity
 from .bucket import penalty_channel
 from .config import (
+    STATS_PREFIX,
     InvalidThrottleMeta,
     ThrottleConfig,
     ThrottleConfigError,
@@ -56,7 +57,7 @@ from .gc_freeze import freeze_startup_objects
 from .parking import TICKET_META, ParkingArea, attach, engine_scheduler
 from .penalties import Pauses, parse_retry_after
 from .rejections import Rejections
-from .resilience import STATS_PREFIX, ResilientBucket
+from .resilience import ResilientBucket
 from .startup import describe_setup, setup_warnings
 from .waiting import SENT_META, Turns
 

@@ -46,10 +46,9 @@ from scrapy.utils.defer import deferred_from_coro, maybe_deferred_to_future
 from scrapy.utils.request import request_from_dict
 from scrapy_redis.scheduler import Scheduler as ScrapyRedisScheduler
 
-from .config import queue_redis_connection
+from .config import STATS_PREFIX, queue_redis_connection
 from .connection import connect_url
 from .penalties import CLOCK_MARGIN
-from .resilience import STATS_PREFIX
 from .scripts import lua_script
 from .server_clock import ServerClock
 

@@ -32,8 +32,9 @@ from scrapy.utils.defer import maybe_deferred_to_future
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import deferLater
 
+from .config import STATS_PREFIX
 from .connection import pubsub
-from .resilience import STATS_PREFIX, sleep
+from .resilience import sleep
 
 if TYPE_CHECKING:
     from collections.abc import Callable

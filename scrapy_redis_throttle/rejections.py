@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from .resilience import STATS_PREFIX
+from .config import STATS_PREFIX
 
 if TYPE_CHECKING:
     from collections.abc import Callable

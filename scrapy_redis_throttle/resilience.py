@@ -17,6 +17,12 @@ while the probe was under way. Meanwhile ``REDIS_THROTTLE_ON_REDIS_ERROR`` decid
 
 A failed call is never replayed: a call that timed out may have taken its tokens in Redis, and a
 replay would take them twice. The request is decided by the policy instead.
+
+A call a script refuses (its arguments, or what it read, are no limit: ``ERR redis_throttle:
+...``) is no failure of Redis, which answered: it is that request's problem. The breaker stays
+closed, the refusal is counted (``redis_throttle/rejected/script_call``) and logged once per
+domain, and the request is paced by this worker alone, at its share (whatever the policy: it
+never goes unthrottled, nor asks again at once).
 """
 
 from __future__ import annotations
@@ -27,13 +33,14 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 from scrapy.utils.defer import maybe_deferred_to_future
 from twisted.internet.task import deferLater
 
 from .bucket import AcquireResult, TokenBucket
-from .config import FALLBACK_LOCAL, FALLBACK_OPEN
+from .config import FALLBACK_LOCAL, FALLBACK_OPEN, STATS_PREFIX
 from .connection import ping
+from .rejections import Rejections
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -49,12 +56,19 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-STATS_PREFIX = "redis_throttle"
 # The first probe of a failed Redis; later ones back off up to REDIS_THROTTLE_PROBE_INTERVAL.
 FIRST_PROBE_DELAY = 0.5
 # Local buckets that are full again are forgotten once there are this many (or twice as many as
 # after the last clean-up): a crawl of millions of domains must not grow without bound.
 LOCAL_PRUNE_SIZE = 10_000
+
+# How the scripts' error replies begin, once redis-py has taken "ERR " off.
+REFUSAL = "redis_throttle:"
+
+
+class ScriptRefused(Exception):
+    """A script refused a call (see the module's docstring)."""
+
 
 _ALLOWED = AcquireResult(allowed=True, reserved=False, tokens_left=0, retry_after=0, reset_after=0)
 
@@ -235,6 +249,7 @@ class ResilientBucket:
         self._config = config
         self._stats = stats
         self._log_extra = log_extra
+        self._rejections = Rejections(stats, log_extra)
         self.breaker = CircuitBreaker(FIRST_PROBE_DELAY, config.probe_interval)
         self.local = LocalBuckets()
         self._fleet_size = fleet_size
@@ -265,28 +280,34 @@ class ResilientBucket:
                 share = self._handover_wait(key, limit, cost)
                 if share:
                     return Grant(_later(share), shared=False, handover=True)
-                result = await self._call_redis(key, limit, cost)
+                try:
+                    result = await self._call_redis(key, limit, cost)
+                except ScriptRefused:
+                    return self._paced_alone(key, limit, cost)
                 if result is not None:
                     return Grant(result, shared=True, waited_for_redis=waited)
             policy = self._config.on_redis_error
-            workers = self.workers()
-            if policy == FALLBACK_LOCAL and workers is not None:
-                self._stats.inc_value(f"{STATS_PREFIX}/fallback/local")
-                reserve = self._config.max_reserve
-                result = self.local.acquire(key, limit, cost, reserve, workers)
-                return Grant(result, shared=False)
+            if policy == FALLBACK_LOCAL:
+                return self._paced_alone(key, limit, cost)
             if policy == FALLBACK_OPEN:
                 self._stats.inc_value(f"{STATS_PREFIX}/fallback/open")
                 return Grant(_ALLOWED, shared=False)
-            if policy == FALLBACK_LOCAL:
-                # The fleet's size is not known, nor this worker's share: it sends nothing
-                # until Redis answers, and asks again after the longest probe delay (parked
-                # meanwhile when that is over REDIS_THROTTLE_MAX_HOLD, as by default, so that
-                # it holds no download slot and a close is not delayed).
-                self._stats.inc_value(f"{STATS_PREFIX}/fallback/unknown_fleet")
-                return Grant(_later(self._config.probe_interval), shared=False)
             waited = True
             await self.breaker.wait_closed()
+
+    def _paced_alone(self, key: str, limit: Limit, cost: float) -> Grant:
+        """A decision of this worker alone: its share of *key*'s rate."""
+        workers = self.workers()
+        if workers is not None:
+            self._stats.inc_value(f"{STATS_PREFIX}/fallback/local")
+            result = self.local.acquire(key, limit, cost, self._config.max_reserve, workers)
+            return Grant(result, shared=False)
+        # The fleet's size is not known, nor this worker's share: it sends nothing until Redis
+        # answers, and asks again after the longest probe delay (parked meanwhile when that is
+        # over REDIS_THROTTLE_MAX_HOLD, as by default, so that it holds no download slot and a
+        # close is not delayed).
+        self._stats.inc_value(f"{STATS_PREFIX}/fallback/unknown_fleet")
+        return Grant(_later(self._config.probe_interval), shared=False)
 
     async def _call_redis(self, key: str, limit: Limit, cost: float) -> AcquireResult | None:
         openings = self._openings
@@ -336,7 +357,7 @@ class ResilientBucket:
         :meth:`.TokenBucket.voided`)."""
         if self.breaker.open_for() is not None:
             return False, None
-        reply = await self._guarded(key, self._voided(key))
+        reply = await self._answered(key, self._voided(key))
         return (False, None) if reply is None else (True, reply[0])
 
     async def _voided(self, key: str) -> tuple[Voiding | None]:
@@ -347,7 +368,7 @@ class ResilientBucket:
         """Pause *key* for the fleet (see :mod:`.penalties`); None when Redis could not be told."""
         if self.breaker.open_for() is not None:
             return None
-        return await self._guarded(
+        return await self._answered(
             key, self._bucket.penalize(key, limit, retry_after, self._config.backoff)
         )
 
@@ -359,15 +380,29 @@ class ResilientBucket:
         adaptive = self._config.adaptive
         if adaptive is None or self.breaker.open_for() is not None:
             return None
-        return await self._guarded(key, self._bucket.slow_down(key, limit, adaptive, age, hold))
+        return await self._answered(key, self._bucket.slow_down(key, limit, adaptive, age, hold))
+
+    async def _answered(self, key: str, call: Awaitable[_T]) -> _T | None:
+        """:meth:`_guarded`, with a refused call taken as no answer."""
+        try:
+            return await self._guarded(key, call)
+        except ScriptRefused:
+            return None
 
     async def _guarded(self, key: str, call: Awaitable[_T]) -> _T | None:
         """Await a script *call* for *key*, counted; None when it failed (the breaker hears of
-        both, and the probe then tries where *key* lives)."""
+        both, and the probe then tries where *key* lives); ScriptRefused when the script
+        refused it (Redis answered: a success to the breaker)."""
         self._stats.inc_value(f"{STATS_PREFIX}/redis_calls")
         try:
             result = await call
         except RedisError as exc:
+            if isinstance(exc, ResponseError) and str(exc).startswith(REFUSAL):
+                self._succeeded()
+                self._rejections.reject(
+                    "script_call", key, str(exc)[:300], "this request is paced by this worker alone"
+                )
+                raise ScriptRefused(str(exc)) from None
             self._failed_key = key
             self._failed(exc)
             return None

@@ -9,9 +9,9 @@ import random
 import time
 from typing import TYPE_CHECKING, Any
 
-from .config import FALLBACK_WAIT
+from .config import FALLBACK_WAIT, STATS_PREFIX
 from .parking import RELEASE_AHEAD, Ticket
-from .resilience import STATS_PREFIX, sleep
+from .resilience import sleep
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -31,7 +31,7 @@ from support import (
 
 from scrapy_redis_throttle.bucket import bucket_key, penalty_key, rate_key
 from scrapy_redis_throttle.cli import EXIT_BAD_INPUT
-from scrapy_redis_throttle.config import ThrottleConfig, ThrottleConfigError
+from scrapy_redis_throttle.config import Limit, ThrottleConfig, ThrottleConfigError
 from scrapy_redis_throttle.connection import ThrottleRedis, close, connect
 from scrapy_redis_throttle.control import LiveControl
 from scrapy_redis_throttle.crawl_delay import MIN_CRAWL_DELAY, parse_crawl_delay
@@ -42,6 +42,7 @@ from scrapy_redis_throttle.penalties import (
     Pauses,
     parse_retry_after,
 )
+from scrapy_redis_throttle.resilience import ResilientBucket
 from scrapy_redis_throttle.scripts import load_script
 
 A, B, C = HOSTS
@@ -424,3 +425,44 @@ def test_rates_too_slow_to_keep_are_refused_at_start_up_and_by_the_tool(
 def test_a_burst_of_non_ascii_digits_is_a_configuration_error() -> None:
     with pytest.raises(ThrottleConfigError, match="burst must be an integer"):
         ThrottleConfig.from_settings(Settings({"REDIS_THROTTLE_DEFAULT_BURST": "²"}))
+
+
+@pytest.mark.parametrize("policy", ["local", "open", "wait"])
+@async_test
+async def test_a_call_a_script_refuses_is_that_requests_problem_not_an_outage(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture, policy: str
+) -> None:
+    """A limit no script takes (here one too slow for config.py, built past it: its interval
+    is over 1e14 µs): Redis answers with an error reply, which is no failure of Redis. The
+    breaker stays closed, the other domains go by Redis, and the request is paced by this
+    worker alone, whatever the policy: not unthrottled (open), nor asked again at once
+    (wait); counted, logged once for its domain."""
+    caplog.set_level(logging.WARNING, logger="scrapy_redis_throttle")
+    settings = {
+        "REDIS_THROTTLE_URL": redis_server.url,
+        "REDIS_THROTTLE_ON_REDIS_ERROR": policy,
+        "REDIS_THROTTLE_FALLBACK_WORKERS": 1,
+    }
+    config = ThrottleConfig.from_settings(Settings(settings))
+    stats = MemoryStatsCollector(get_crawler())
+    bucket = ResilientBucket(connect(config), config, stats, dict)
+    refused = Limit(1e-9, 1, "1/31y")
+    try:
+        first = await asyncio.wait_for(bucket.acquire("a.example", refused, 1), 10)
+        second = await asyncio.wait_for(bucket.acquire("a.example", refused, 1), 10)
+        other = await bucket.acquire("b.example", Limit(10, 1, "10/s"), 1)
+        closed = bucket.breaker.open_for() is None
+    finally:
+        await bucket.aclose()
+    assert closed, "the breaker stayed closed"
+    assert (first.shared, first.result.allowed) == (False, True), "this worker's bucket: full"
+    assert (second.shared, second.result.allowed) == (False, False), "then paced: 1/31y"
+    assert other.shared, "the other domain goes by Redis"
+    all_stats = stats.get_stats()
+    no_redis_failure({k: v for k, v in all_stats.items() if k != "redis_throttle/fallback/local"})
+    assert all_stats["redis_throttle/rejected/script_call"] == 2
+    warnings = [
+        r.getMessage() for r in caplog.records if "interval must be at most" in r.getMessage()
+    ]
+    assert len(warnings) == 1, warnings
+    assert "'a.example'" in warnings[0], warnings
