@@ -9,6 +9,7 @@ Run inside a Scrapy project, it reads the project's settings (``REDIS_THROTTLE_U
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -27,6 +28,7 @@ from .config import (
     ThrottleConfig,
     ThrottleConfigError,
     format_rate,
+    normalize_key,
     parse_burst,
     parse_limit,
 )
@@ -47,9 +49,9 @@ EXIT_BAD_INPUT = 2
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if hasattr(args, "domain"):
-        args.domain = args.domain.lower()  # as the workers' keys
     try:
+        if hasattr(args, "domain"):
+            args.domain = _domain(args.domain)
         config = _config(args)
         if args.command == "set":
             live = _live_limit(args.limits, args.burst)
@@ -143,6 +145,24 @@ def _parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--top", type=int, default=50, help="show at most this many (default 50)")
     return parser
+
+
+def _domain(text: str) -> str:
+    """DOMAIN as the workers' keys are (see :func:`.config.normalize_key`); a URL or a port,
+    which no worker's key holds, is refused."""
+    if "/" in text or _PORT.fullmatch(text) or not text.strip():
+        raise ThrottleConfigError(
+            f"DOMAIN: expected a host name (or a redis_throttle_key), not a URL or a port: "
+            f"{text!r:.200}"
+        )
+    try:
+        return normalize_key(text.strip())
+    except ValueError:
+        raise ThrottleConfigError(f"DOMAIN: {text!r:.200} is no name IDNA takes") from None
+
+
+# host:port (an IPv6 address has more colons).
+_PORT = re.compile(r"[^:]*:\d*")
 
 
 def _config(args: argparse.Namespace) -> ThrottleConfig:

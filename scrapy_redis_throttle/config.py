@@ -344,13 +344,28 @@ def _rate_text(value: object, rate: float) -> str:
     return f"{rate:g}/s"
 
 
+def normalize_key(name: str) -> str:
+    """A throttle key (a host name, or a ``redis_throttle_key`` group), or a pattern's name, as
+    requests carry it: lower case, without the trailing dot of a fully qualified name
+    (``shop.example.`` is ``shop.example``), non-ASCII labels in IDNA (Scrapy's requests carry
+    ``bücher.example`` as ``xn--bcher-kva.example``). ValueError (UnicodeError) for a name IDNA
+    refuses (an empty or too long label)."""
+    name = name.lower().removesuffix(".")
+    return name if name.isascii() else name.encode("idna").decode("ascii")
+
+
 def _parse_pattern(pattern: object, *, source: str) -> str:
+    invalid = ThrottleConfigError(
+        f"{source}: invalid domain pattern {pattern!r}; expected a host name like "
+        f"'shop.example' or a wildcard like '*.cdn.example'"
+    )
     if not isinstance(pattern, str) or not _PATTERN_RE.match(pattern):
-        raise ThrottleConfigError(
-            f"{source}: invalid domain pattern {pattern!r}; expected a host name like "
-            f"'shop.example' or a wildcard like '*.cdn.example'"
-        )
-    return pattern.lower()
+        raise invalid
+    wildcard, name = ("*.", pattern[2:]) if pattern.startswith("*.") else ("", pattern)
+    try:
+        return wildcard + normalize_key(name)
+    except ValueError:
+        raise invalid from None
 
 
 @dataclass(frozen=True)

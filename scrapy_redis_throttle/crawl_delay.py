@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from scrapy import signals
 from scrapy.utils.httpobj import urlparse_cached
 
-from .config import Limit
+from .config import Limit, normalize_key
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -108,7 +108,7 @@ class CrawlDelays:
         return self._limits.get(key, configured) if self._limits else configured
 
     def _robots_parsed(self, robotparser: Any, request: Request) -> None:
-        host = (urlparse_cached(request).hostname or "").lower()
+        host = normalize_key(urlparse_cached(request).hostname or "")  # ASCII: Scrapy's IDNA
         crawl_delay = getattr(robotparser, "crawl_delay", None)
         if not host or crawl_delay is None:  # a custom ROBOTSTXT_PARSER of the older interface
             return

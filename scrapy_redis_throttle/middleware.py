@@ -50,6 +50,7 @@ from .config import (
     ThrottleConfig,
     ThrottleConfigError,
     format_rate,
+    normalize_key,
 )
 from .connection import close, connect
 from .crawl_delay import CrawlDelays
@@ -308,12 +309,21 @@ class RedisThrottleMiddleware:
         return self.crawl_delays.limit(key, self.config.limits.lookup(key))
 
     def _key(self, request: Request) -> str:
+        """The request's throttle key (see :func:`.config.normalize_key`)."""
         key = request.meta.get("redis_throttle_key")
         if key is None:
-            return self.crawler.engine.downloader.get_slot_key(request).lower()
-        if isinstance(key, str) and key:
-            return key.lower()
-        self._bad_meta(request, f"redis_throttle_key must be a non-empty string, got {key!r}")
+            key = self.crawler.engine.downloader.get_slot_key(request)
+            if not key:
+                return ""  # data: and file: URLs
+        elif not (isinstance(key, str) and key):
+            self._bad_meta(request, f"redis_throttle_key must be a non-empty string, got {key!r}")
+        try:
+            normalized = normalize_key(key)
+        except ValueError:
+            normalized = ""
+        if not normalized:
+            self._bad_meta(request, f"throttle key {key!r:.200} is no name IDNA takes")
+        return normalized
 
     def _cost(self, request: Request, limit: Limit) -> float:
         cost = request.meta.get("redis_throttle_cost", 1)

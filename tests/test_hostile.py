@@ -31,7 +31,12 @@ from support import (
 
 from scrapy_redis_throttle.bucket import bucket_key, penalty_key, rate_key
 from scrapy_redis_throttle.cli import EXIT_BAD_INPUT
-from scrapy_redis_throttle.config import Limit, ThrottleConfig, ThrottleConfigError
+from scrapy_redis_throttle.config import (
+    Limit,
+    ThrottleConfig,
+    ThrottleConfigError,
+    normalize_key,
+)
 from scrapy_redis_throttle.connection import ThrottleRedis, close, connect
 from scrapy_redis_throttle.control import LiveControl
 from scrapy_redis_throttle.crawl_delay import MIN_CRAWL_DELAY, parse_crawl_delay
@@ -466,3 +471,70 @@ async def test_a_call_a_script_refuses_is_that_requests_problem_not_an_outage(
     ]
     assert len(warnings) == 1, warnings
     assert "'a.example'" in warnings[0], warnings
+
+
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [
+        ("Shop.Example.", "shop.example"),  # a fully qualified name: its trailing dot
+        ("bücher.example", "xn--bcher-kva.example"),  # as Scrapy's requests carry it
+        ("BÜCHER.Example.", "xn--bcher-kva.example"),
+        ("xn--bcher-kva.example", "xn--bcher-kva.example"),
+        ("127.0.0.2", "127.0.0.2"),
+    ],
+)
+def test_names_are_compared_as_requests_carry_them(name: str, key: str) -> None:
+    assert normalize_key(name) == key
+    table = ThrottleConfig.from_settings(Settings({"REDIS_THROTTLE_RATES": {name: "1/s"}})).limits
+    assert table.lookup(key) is not None, f"the pattern {name!r} applies to {key!r}"
+    wildcards = {f"*.{name}": "1/s"}
+    table = ThrottleConfig.from_settings(Settings({"REDIS_THROTTLE_RATES": wildcards})).limits
+    assert table.lookup(f"a.{key}") is not None
+
+
+def test_a_name_idna_refuses_is_a_configuration_error() -> None:
+    with pytest.raises(ThrottleConfigError, match="invalid domain pattern"):
+        ThrottleConfig.from_settings(Settings({"REDIS_THROTTLE_RATES": {"ü" * 64: "1/s"}}))
+
+
+@async_test
+async def test_a_domain_cannot_dodge_its_limit_with_another_spelling(
+    redis_server: RedisServer,
+) -> None:
+    """Keys spelled with a trailing dot, in upper case or in Unicode share the bucket of the
+    name they spell: one request each for A's and B's, within 2 s of a crawl where both are
+    at one request per 10 s (the default, 100/s, would have let all go)."""
+    spellings = {A: ["Bücher.Example.", "bücher.example", "xn--bcher-kva.example"]}
+    with DemoSite(HOSTS, pages=10) as site:
+        requests = [
+            *({"url": site.url(A, f"/page/{n}"), "meta": {"redis_throttle_key": key}}
+              for n, key in enumerate(spellings[A])),
+            *pages(site, B, 2),
+            *({"url": site.url(B, f"/page/{n}"), "meta": {"redis_throttle_key": f"{B}."}}
+              for n in range(2, 4)),
+        ]  # fmt: skip
+        await run_crawl(
+            crawl_settings(
+                redis_server.url, CLOSESPIDER_TIMEOUT=2, REDIS_THROTTLE_DEFAULT_RATE="100/s"
+            ),
+            requests,
+            redis_throttle_rates={"BÜCHER.example": "1/10s", B: "1/10s"},
+        )
+        arrivals = {host: len(site.arrivals(host)) for host in (A, B)}
+    assert arrivals == {A: 1, B: 1}, "one bucket per name, however spelled"
+
+
+def test_the_tool_refuses_a_url_or_a_port_and_stores_a_name_as_workers_read_it(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    url = ("--redis-url", redis_server.url)
+    for domain in ("http://shop.example", "https://shop.example/", "shop.example:8080", ":8080"):
+        done = tool(*url, "set", domain, "1/s", cwd=tmp_path)
+        assert done.returncode == EXIT_BAD_INPUT, domain
+        assert "not a URL or a port" in done.stderr, done.stderr
+    done = tool(*url, "set", "Bücher.Example.", "2/s", cwd=tmp_path)
+    assert (done.returncode, done.stdout) == (0, "xn--bcher-kva.example: 2/s (workers' burst)\n")
+    with redis_server.client() as client:
+        assert LiveControl(client, "redis_throttle").live_limits().keys() == {
+            "xn--bcher-kva.example"
+        }
