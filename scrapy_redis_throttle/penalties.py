@@ -145,8 +145,8 @@ class Pauses:
         # Wall time of the last read of each key's voiding from Redis, while listening.
         self._read_at: dict[str, float] = {}
         self._subscribed = asyncio.Event()
-        self._bad_message_logged = False
-        self._pass_on_failure_logged = False
+        # Kinds of counted trouble already logged once (see _count_once).
+        self._logged: set[str] = set()
 
     async def start(self) -> None:
         """Listen, and wait a little for the subscription to be in force."""
@@ -304,25 +304,30 @@ class Pauses:
             try:
                 self.pause(key, int(pause_us) / 1e6)
             except Exception as exc:  # a bug passing it on: the subscription and the next go on
-                self._stats.inc_value(f"{STATS_PREFIX}/listener_errors/{type(exc).__name__}")
-                if not self._pass_on_failure_logged:
-                    self._pass_on_failure_logged = True
-                    logger.exception(
-                        "Redis throttle: a pause heard for %r could not be passed on to all the "
-                        "requests it voids (logged once; counted in %s/listener_errors)",
-                        key,
-                        STATS_PREFIX,
-                        extra=self._log_extra(),
-                    )
+                self._count_once(
+                    f"listener_errors/{type(exc).__name__}",
+                    "a pause heard for %r could not be passed on to all the requests it voids "
+                    "(logged once; counted in %s/listener_errors)",
+                    key,
+                    STATS_PREFIX,
+                    error=True,
+                )
             return
-        self._stats.inc_value(f"{STATS_PREFIX}/bad_messages")
-        if not self._bad_message_logged:
-            self._bad_message_logged = True
-            logger.warning(
-                "Redis throttle: ignored a message on %s that is not a pause: %r (logged once; "
-                "counted in %s/bad_messages)",
-                self._channel,
-                data[:200],
-                STATS_PREFIX,
-                extra=self._log_extra(),
-            )
+        self._count_once(
+            "bad_messages",
+            "ignored a message on %s that is not a pause: %r (logged once; counted in "
+            "%s/bad_messages)",
+            self._channel,
+            data[:200],
+            STATS_PREFIX,
+        )
+
+    def _count_once(self, stat: str, message: str, *args: object, error: bool = False) -> None:
+        """Count *stat*; log the first of its kind (*error*: at ERROR, with the traceback)."""
+        self._stats.inc_value(f"{STATS_PREFIX}/{stat}")
+        kind = stat.partition("/")[0]
+        if kind in self._logged:
+            return
+        self._logged.add(kind)
+        log = logger.exception if error else logger.warning
+        log(f"Redis throttle: {message}", *args, extra=self._log_extra())
