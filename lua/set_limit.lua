@@ -21,8 +21,9 @@
 -- limits>]", "" when none), and how long the moments reserved before were to last (0 when none
 -- were voided).
 
--- As token_bucket.lua: the longest interval and period (µs), the most limits set live.
-local MAX_INTERVAL, MAX_LIVE_LIMITS = 1e14, 16
+-- As token_bucket.lua: the longest interval and period (µs), the most limits, the largest
+-- count of a sliding window.
+local MAX_INTERVAL, MAX_LIMITS, MAX_SLIDING_COUNT = 1e14, 16, 10000
 
 local action, rate, burst, limits = ARGV[1], ARGV[2], ARGV[3], ARGV[6] or ""
 local valid_rate = rate == "-" or (tonumber(rate) and 1000000 / tonumber(rate) > 0
@@ -37,14 +38,16 @@ for item in string.gmatch(limits ~= "" and limits .. "," or "", "([^,]*),") do
   count, period = tonumber(count), tonumber(period)
   limits_count = limits_count + 1
   valid_limits = valid_limits and count and period and count >= 1 and count < math.huge
-    and period > 0 and period <= MAX_INTERVAL and limits_count <= MAX_LIVE_LIMITS
+    and period > 0 and period <= MAX_INTERVAL and limits_count <= MAX_LIMITS
     and (algorithm == "t" or (count == math.floor(count) and period == math.floor(period)))
+    and (algorithm ~= "s" or count <= MAX_SLIDING_COUNT)
 end
 if not (action == "set" or action == "delete" or action == "pause" or action == "resume")
     or not valid_rate or not valid_burst or not valid_limits or not ARGV[5] then
   return redis.error_reply("ERR redis_throttle: set_limit takes an action (set, delete, pause, "
     .. "resume), a rate > 0 (at least one per 1e14 µs) or -, an integer burst >= 1 or -, a "
-    .. "channel, a name and at most 16 more limits with a rate; got " .. table.concat(ARGV, " "))
+    .. "channel, a name and at most 16 more limits with a rate (a sliding window's count at most "
+    .. "10000); got " .. table.concat(ARGV, " "))
 end
 
 local time = redis.call("TIME")

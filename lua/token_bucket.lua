@@ -13,10 +13,11 @@
 -- ARGV[5]  busy_for (optional, default 0): microseconds; the bucket is not full before now plus
 --          this, whatever it holds: the caller took tokens from its local fallback while Redis
 --          was unavailable, and they count here too
--- ARGV[6..] (optional) more limits of the domain, checked with the bucket in this call, three
---          arguments each: the algorithm ("t" token bucket, "f" fixed window, "s" sliding
---          window), its count (the bucket's burst, or the requests per window, an integer) and
---          its period in microseconds (per token, or the window)
+-- ARGV[6..] (optional) more limits of the domain (at most MAX_LIMITS), checked with the bucket
+--          in this call, three arguments each: the algorithm ("t" token bucket, "f" fixed window,
+--          "s" sliding window), its count (the bucket's burst, or the requests per window, an
+--          integer, at most MAX_SLIDING_COUNT for a sliding window) and its period in
+--          microseconds (per token, or the window)
 -- KEYS[2]  (optional, with the adaptive rate or more limits) the domain's rate key (see
 --          slow_down.lua): while it holds a rate below the configured one, tokens refill at it
 -- KEYS[3]  (with more limits) the domain's quota hash: per limit, a bucket's time or a fixed
@@ -61,8 +62,17 @@ end
 -- The longest interval (µs per token) and period, about 3 years: past what config.py takes (at
 -- most 1/365d), and every moment stays an exact integer of a double.
 local MAX_INTERVAL = 1e14
--- The most limits set live that a call reads (set_limit.lua refuses more): bounded work.
-local MAX_LIVE_LIMITS = 16
+-- Bounds on the work of a call (config.py and set_limit.lua refuse more): the most limits a
+-- call takes (of those set live, the first so many are read)...
+local MAX_LIMITS = 16
+-- ...a sliding window's count (its log holds a member per request of the window, and a request
+-- adds one per unit of its cost, at most the count)...
+local MAX_SLIDING_COUNT = 10000
+-- ...and how many fixed windows after the current one hold reservations: a request due later
+-- reserves nothing (it asks again), so a window's state holds at most MAX_WINDOWS_AHEAD + 1.
+local MAX_WINDOWS_AHEAD = 64
+-- Members of the log added by one ZADD (Lua's stack holds a few thousand arguments).
+local ZADD_BATCH = 1000
 
 -- Whether algorithm, count and period (numbers, or nil) make a limit: a window's count and
 -- period are whole numbers (window n starts at n x period exactly).
@@ -71,6 +81,7 @@ local function limit_ok(algorithm, count, period)
     and period ~= nil and count >= 1 and count < math.huge and period > 0
     and period <= MAX_INTERVAL
     and (algorithm == "t" or (count == math.floor(count) and period == math.floor(period)))
+    and (algorithm ~= "s" or count <= MAX_SLIDING_COUNT)
 end
 
 -- One test of every argument on the way of every call (a function call per argument cost 6%
@@ -141,7 +152,7 @@ local limits
 if live_limits and live_limits ~= "" then
   limits = {}
   for algorithm, count, period in string.gmatch(live_limits, "(%a)([^/,]+)/([^,]+)") do
-    if #limits == MAX_LIVE_LIMITS then
+    if #limits == MAX_LIMITS then
       break
     end
     if limit_ok(algorithm, tonumber(count), tonumber(period)) then  -- else ignored, as above
@@ -154,6 +165,10 @@ if live_limits and live_limits ~= "" then
     limits = nil
   end
 elseif not live_limits and ARGV[6] then
+  if #ARGV > 5 + 3 * MAX_LIMITS then
+    return redis.error_reply("ERR redis_throttle: at most " .. MAX_LIMITS .. " more limits, got "
+      .. (#ARGV - 5) / 3)
+  end
   limits = {}
   for index = 6, #ARGV, 3 do
     limits[#limits + 1] = {ARGV[index], ARGV[index + 1], ARGV[index + 2]}
@@ -194,7 +209,8 @@ if limits then
     local algorithm, count, period = limit[1], tonumber(limit[2]), tonumber(limit[3])
     if not limit_ok(algorithm, count, period) then
       return redis.error_reply("ERR redis_throttle: limit " .. index .. " must be t, f or s, a "
-        .. "count >= 1 and a period > 0, at most 1e14 (both whole for windows), got "
+        .. "count >= 1 (at most 10000 for s) and a period > 0, at most 1e14 (both whole for "
+        .. "windows), got "
         .. table.concat({tostring(limit[1]), tostring(limit[2]), tostring(limit[3])}, " "))
     end
     if counted > count then
@@ -212,9 +228,16 @@ if limits then
       -- Windows follow one another from the epoch: every worker agrees on them.
       quota.windows = {}
       local state = redis.call("HGET", KEYS[3], quota.field) or ""
+      local current, read = math.floor(now / period), 0
       for window, used in string.gmatch(state, "(%d+) (%d+)") do
-        if tonumber(window) >= math.floor(now / period) then
-          quota.windows[tonumber(window)] = tonumber(used)
+        window, used = tonumber(window), tonumber(used)
+        -- Written in order, at most MAX_WINDOWS_AHEAD + 1; a window further ahead is garbage.
+        if window >= current and window <= current + MAX_WINDOWS_AHEAD then
+          quota.windows[window] = used
+        end
+        read = read + 1
+        if read > MAX_WINDOWS_AHEAD then
+          break
         end
       end
     else
@@ -232,6 +255,7 @@ if limits then
     end
     quotas[index] = quota
   end
+  local too_far = false
   repeat
     local moved = false
     for _, quota in ipairs(quotas) do
@@ -239,9 +263,15 @@ if limits then
       if quota.windows and (quota.windows[window] or 0) + counted > quota.count then
         moment, moved = (window + 1) * quota.period, true
       end
+      too_far = too_far or (quota.windows
+        and math.floor(moment / quota.period) > math.floor(now / quota.period) + MAX_WINDOWS_AHEAD)
     end
-  until not moved
+  -- Each move passes a window with reservations: a bounded number of turns.
+  until not moved or too_far
   wait = math.max(wait, math.ceil(moment - now))
+  if too_far then
+    reserve = -1  -- reserve nothing: the request asks again when it is due
+  end
 end
 
 if wait > reserve then
@@ -302,8 +332,13 @@ end
 if longest_window > 0 then
   -- Members are unique: those of one microsecond are numbered.
   local first = redis.call("ZCOUNT", KEYS[4], moment, moment)
-  for number = first + 1, first + counted do
-    redis.call("ZADD", KEYS[4], moment, string.format("%d:%d", moment, number))
+  for batch = first, first + counted - 1, ZADD_BATCH do
+    local members = {}
+    for number = batch + 1, math.min(batch + ZADD_BATCH, first + counted) do
+      members[#members + 1] = moment
+      members[#members + 1] = string.format("%d:%d", moment, number)
+    end
+    redis.call("ZADD", KEYS[4], unpack(members))
   end
   redis.call("ZREMRANGEBYSCORE", KEYS[4], "-inf", string.format("%.17g", now - longest_window))
   local last = redis.call("ZRANGE", KEYS[4], -1, -1, "WITHSCORES")[2]

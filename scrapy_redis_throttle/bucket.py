@@ -74,6 +74,9 @@ def parse_reply(reply: list[Any], limit: Limit, decided_at: float | None = None)
 
 # token_bucket.lua's reply when a limit set live has quotas and the call did not pass their keys.
 QUOTA_KEYS_NEEDED = 4
+# Domains remembered as having quotas set live, at most (a hostile Redis may set them on every
+# domain a crawl meets).
+LIVE_QUOTAS_KEPT = 10_000
 
 
 # Host names and simple meta keys appear as they are in Redis keys (readable in redis-cli).
@@ -238,6 +241,8 @@ class TokenBucket:
         if reply[0] == QUOTA_KEYS_NEEDED:
             # Remembered: the domain's calls pass the quotas' keys from now on (an unused key
             # costs the script nothing).
+            if len(self._live_quotas) >= LIVE_QUOTAS_KEPT:
+                self._live_quotas.clear()  # bounded: a domain forgotten costs one call more
             self._live_quotas.add(domain)
             return await self.acquire(domain, limit, cost, reserve, busy_for)
         return parse_reply(reply, limit, self._clock_of(key).decided_at(sent, read, reply[3]))

@@ -94,6 +94,12 @@ class InvalidThrottleMeta(ValueError):
     """A request's ``redis_throttle_*`` meta value is invalid; that request fails."""
 
 
+# Bounds on a domain's limits, as lua/token_bucket.lua keeps its work per call bounded: at most
+# this many in a list...
+MAX_LIMITS = 16
+# ...and a sliding window's count (its log in Redis holds a member per request of the window).
+MAX_SLIDING_COUNT = 10_000
+
 TOKEN_BUCKET = "token_bucket"
 FIXED_WINDOW = "fixed_window"
 SLIDING_WINDOW = "sliding_window"
@@ -274,6 +280,10 @@ def parse_limit(value: object, *, default_burst: int, source: str) -> Limit | No
     if isinstance(value, (list, tuple)):
         if not value:
             raise ThrottleConfigError(f"{source}: an empty list of limits (use None for none)")
+        if len(value) > MAX_LIMITS:
+            raise ThrottleConfigError(
+                f"{source}: {len(value)} limits; a domain has at most {MAX_LIMITS}"
+            )
         parsed = [
             _parse_quota(item, None if n else default_burst, f"{source}[{n}]")
             for n, item in enumerate(value)
@@ -324,6 +334,12 @@ def _parse_quota(value: object, default_burst: int | None, source: str) -> tuple
     if not count.is_integer():
         raise ThrottleConfigError(
             f"{source}: a {algorithm} counts whole requests: expected e.g. '10/2s', got {rate!r}"
+        )
+    if algorithm == SLIDING_WINDOW and count > MAX_SLIDING_COUNT:
+        raise ThrottleConfigError(
+            f"{source}: a sliding_window logs each request of its window in Redis: at most "
+            f"{MAX_SLIDING_COUNT:,} per window, got {rate!r} (a fixed_window or a token bucket "
+            f"counts any number)"
         )
     return Quota(algorithm, count, period, text), count / period
 

@@ -5,6 +5,10 @@ other request to it, and (Scrapy 2.18+) sends the ``robots_parsed`` signal. A ``
 for our user agent then becomes that host's limit, one request per delay (burst 1), unless the
 configured limit is already stricter. Every worker reads the same robots.txt, and their requests
 take from the same bucket in Redis: the delay holds for the whole fleet.
+
+A worker keeps the delays of at most :data:`MAX_HOSTS` hosts: past them, the host requested least
+recently is forgotten together with Scrapy's copy of its robots.txt, whose next request fetches
+it again, so that the delay comes back.
 """
 
 from __future__ import annotations
@@ -12,10 +16,13 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from scrapy import signals
+from scrapy.downloadermiddlewares.robotstxt import RobotsTxtMiddleware
 from scrapy.utils.httpobj import urlparse_cached
+from twisted.internet.defer import Deferred
 
 from .config import Limit, normalize_key
 
@@ -34,6 +41,9 @@ STATS_PREFIX = "redis_throttle/crawl_delay"
 # The shortest Crawl-delay (seconds): a shorter one asks for no less (down to 5e-324, whose rate
 # would be infinite).
 MIN_CRAWL_DELAY = 0.001
+# Hosts whose Crawl-delay a worker keeps, at most (a crawl of 100,000 hosts keeps a bounded
+# memory, here and in RobotsTxtMiddleware's cache of the robots.txt of those forgotten).
+MAX_HOSTS = 10_000
 
 
 def parse_crawl_delay(value: object) -> float | None:
@@ -78,7 +88,12 @@ class CrawlDelays:
         self._config = config
         self._rejections = rejections
         self._log_extra = log_extra
-        self._limits: dict[str, Limit] = {}
+        # Host -> its limit, and the netlocs (host:port) whose robots.txt set it, least recently
+        # requested first.
+        self._limits: OrderedDict[str, tuple[Limit, frozenset[str]]] = OrderedDict()
+        # RobotsTxtMiddleware's robots.txt per netloc (looked for at the first host to forget).
+        self._robots: dict[str, object] | None = None
+        self._robots_looked_for = False
         settings = crawler.settings
         self._user_agent: str = settings.get("ROBOTSTXT_USER_AGENT") or ""
         self._default_user_agent: str = settings.get("USER_AGENT") or ""
@@ -105,7 +120,10 @@ class CrawlDelays:
     def limit(self, key: str, configured: Limit | None) -> Limit | None:
         """The limit for requests with throttle key *key*: *configured*, or a stricter one from
         the robots.txt of the host named *key*."""
-        return self._limits.get(key, configured) if self._limits else configured
+        if not self._limits or (known := self._limits.get(key)) is None:
+            return configured
+        self._limits.move_to_end(key)
+        return known[0]
 
     def _robots_parsed(self, robotparser: Any, request: Request) -> None:
         host = normalize_key(urlparse_cached(request).hostname or "")  # ASCII: Scrapy's IDNA
@@ -135,12 +153,14 @@ class CrawlDelays:
             )
             delay = self._config.max_crawl_delay
         # Several ports of one host have a robots.txt each: the longest delay counts.
-        known = self._limits.get(host)
-        if known is not None and 1 / known.rate >= delay:
+        limit, netlocs = self._limits.pop(host, (None, frozenset()))
+        netlocs |= {urlparse_cached(request).netloc}
+        if limit is not None and 1 / limit.rate >= delay:
+            self._keep(host, limit, netlocs)
             return
         configured = self._config.limits.lookup(host)
         limit = with_crawl_delay(configured, delay)
-        self._limits[host] = limit
+        self._keep(host, limit, netlocs)
         stats.inc_value(f"{STATS_PREFIX}/applied")
         logger.info(
             "Redis throttle: honouring the Crawl-delay of %g s in the robots.txt of %r: its "
@@ -151,3 +171,40 @@ class CrawlDelays:
             configured if configured is not None else "unlimited",
             extra=self._log_extra(),
         )
+
+    def _keep(self, host: str, limit: Limit, netlocs: frozenset[str]) -> None:
+        self._limits[host] = (limit, netlocs)
+        if len(self._limits) <= MAX_HOSTS:
+            return
+        if not self._robots_looked_for:
+            self._robots_looked_for = True
+            self._robots = self._robots_cache()
+        if self._robots is None:
+            return  # kept: forgetting a delay Scrapy would not fetch again is impolite
+        forgotten, (_, forgotten_netlocs) = self._limits.popitem(last=False)
+        for netloc in forgotten_netlocs:
+            if not isinstance(self._robots.get(netloc), Deferred):  # (one being fetched stays)
+                self._robots.pop(netloc, None)
+        self._crawler.stats.inc_value(f"{STATS_PREFIX}/forgotten")
+        logger.debug(
+            "Redis throttle: forgot the Crawl-delay of %r (more than %d hosts); its next request "
+            "fetches its robots.txt again",
+            forgotten,
+            MAX_HOSTS,
+            extra=self._log_extra(),
+        )
+
+    def _robots_cache(self) -> dict[str, object] | None:
+        """RobotsTxtMiddleware's robots.txt per netloc, from which a forgotten host is dropped
+        (None where the robots.txt middleware is another's: then no host is forgotten)."""
+        for middleware in self._crawler.engine.downloader.middleware.middlewares:
+            parsers = getattr(middleware, "_parsers", None)
+            if isinstance(middleware, RobotsTxtMiddleware) and isinstance(parsers, dict):
+                return parsers
+        logger.warning(
+            "Redis throttle: found no RobotsTxtMiddleware; the Crawl-delays of more than %d "
+            "hosts are all kept",
+            MAX_HOSTS,
+            extra=self._log_extra(),
+        )
+        return None

@@ -162,7 +162,7 @@ class RedisThrottleMiddleware:
             )
             return
         try:
-            self.parking = attach(self.crawler, scheduler)
+            self.parking = attach(self.crawler, scheduler, self.rejections)
         except Exception:
             # Without parking the throttle still works: the rest of the start must happen.
             logger.exception(

@@ -43,12 +43,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from scrapy.utils.defer import deferred_from_coro, maybe_deferred_to_future
-from scrapy.utils.request import request_from_dict
 from scrapy_redis.scheduler import Scheduler as ScrapyRedisScheduler
 
 from .config import STATS_PREFIX, queue_redis_connection
 from .connection import connect_url
 from .penalties import CLOCK_MARGIN
+from .request_codec import Unparkable, decode_request, encode_request
 from .scripts import lua_script
 from .server_clock import ServerClock
 
@@ -60,6 +60,8 @@ if TYPE_CHECKING:
     from scrapy.core.scheduler import BaseScheduler
     from scrapy.crawler import Crawler
     from twisted.internet.defer import Deferred
+
+    from .rejections import Rejections
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +85,6 @@ REDIS_POLL_INTERVAL = 0.25
 # again, see void_parked.lua).
 _INDEXED, _NOT_INDEXED, _ASKS_AGAIN = b"r", b"u", b"a"
 _KEY_DIGITS = 5
-# Members parked by earlier versions (before the index of moments): a 16-byte id, then the
-# serialized request.
-_OLD_ID_BYTES = 16
 # Index entries that one call of void_parked.lua looks at, at most.
 VOID_BATCH = 100
 # For the plain commands (ZCARD and DEL at the close): the scripts have a connection each.
@@ -135,7 +134,7 @@ class Ticket:
         return exact
 
     def to_wire(self) -> list[Any]:
-        """What travels through Redis with the request (JSON- and pickle-safe)."""
+        """What travels through Redis with the request (in its meta, as JSON)."""
         return [
             self.reserved,
             self.reserved_at,
@@ -151,15 +150,13 @@ class Ticket:
         unexpected counts as no reservation (the request asks again)."""
         if (
             isinstance(value, list)
-            # 5: parked by an earlier version, without its moment.
-            and len(value) in (5, 6)
+            and len(value) == 6
             and isinstance(value[0], bool)
             and isinstance(value[3], bool)
             and all(_is_time(value[n]) for n in (1, 4))
-            and (len(value) == 5 or value[5] is None or _is_time(value[5]))
+            and (value[5] is None or _is_time(value[5]))
         ):
-            reserved, reserved_at, process, locally, waiting_since, *rest = value
-            moment_us = rest[0] if rest else None
+            reserved, reserved_at, process, locally, waiting_since, moment_us = value
             elsewhere = process != _PROCESS
             # Moments reserved in another process's own buckets hold nothing here.
             reserved = reserved and not (locally and elsewhere)
@@ -295,27 +292,27 @@ class RedisParking:
 
     poll_interval: float | None = REDIS_POLL_INTERVAL
 
-    def __init__(self, redis: Redis, key: str, spider: Spider, serializer: Any) -> None:
+    def __init__(self, redis: Redis, key: str, spider: Spider, rejections: Rejections) -> None:
         self.key = key
         self.index_key = moments_key(key)
         self.parked = 0
         self._redis = redis
         self._spider = spider
-        self._serializer = serializer  # scrapy-redis's SCHEDULER_SERIALIZER (pickle by default)
+        self._rejections = rejections
         self._park_script = lua_script(redis, "park.lua")
         self._unpark_script = lua_script(redis, "unpark.lua")
         self._void_script = lua_script(redis, "void_parked.lua")
         self._clock = ServerClock()  # scrapy-redis's Redis's, not the throttle's
 
     async def park(self, request: Request, ticket: Ticket) -> None:
+        wire = request.replace(meta={**request.meta, TICKET_META: ticket.to_wire()})
+        encoded = encode_request(wire, self._spider)  # Unparkable: before anything is done
         # The call may wait for the connection: its delay counts from Redis's time now (see
         # park.lua's ARGV[3]), not from when Redis runs it.
         await self._clock.follow(self._redis)
         now = asyncio.get_running_loop().time()
         delay = max(0.0, ticket.due - now)
         asked = self._clock.server_us(now)
-        wire = request.replace(meta={**request.meta, TICKET_META: ticket.to_wire()})
-        encoded = self._serializer.dumps(wire.to_dict(spider=self._spider))
         key, reserved_at = _indexed_key(ticket.key), ticket.reserved_at * 1e6
         member = b"".join(
             (
@@ -324,7 +321,7 @@ class RedisParking:
                 uuid.uuid4().hex.encode(),  # two equal requests must stay two members
                 # (A reserved_at read back from Redis may be anything: 16 digits, whatever.)
                 b"%05d%s%016d" % (len(key), key, min(max(int(reserved_at), 0), 10**16 - 1)),
-                encoded.encode() if isinstance(encoded, str) else encoded,
+                encoded,
             )
         )
         try:
@@ -370,9 +367,16 @@ class RedisParking:
         for member, due_in_ms in zip(reply[3::2], reply[4::2], strict=True):
             try:
                 flag, key, encoded = read_member(member)
-                request = request_from_dict(self._serializer.loads(encoded), spider=self._spider)
-            except Exception:
-                logger.exception("Redis throttle: dropped a parked request that cannot be read")
+                request = decode_request(encoded, self._spider)
+            except ValueError as error:
+                # Not written by a worker of this version: the set is in reach of whoever may
+                # write into scrapy-redis's Redis.
+                self._rejections.reject(
+                    "parked_request",
+                    self.key,
+                    f"an entry of the parking set ({error})",
+                    "dropped it",
+                )
                 continue
             ticket = Ticket.from_wire(
                 request.meta.pop(TICKET_META, None), key, now + float(due_in_ms) / 1000
@@ -427,12 +431,12 @@ def _indexed_key(key: str) -> bytes:
 
 def read_member(member: bytes) -> tuple[bytes, str, bytes]:
     """The flag, throttle key and serialized request of a member of the parking set (see
-    park.lua); a member of the form before it (:data:`_OLD_ID_BYTES`) counts as not indexed."""
+    park.lua); ValueError for a member of another form."""
     flag, length = member[:1], member[33:38]
     if flag not in (_INDEXED, _NOT_INDEXED, _ASKS_AGAIN) or not (
         _is_hex(member[1:33]) and length.isdigit()
     ):
-        return _NOT_INDEXED, "", member[_OLD_ID_BYTES:]
+        raise ValueError("not of the form park.lua writes")
     end = 38 + int(length)
     return flag, member[38:end].decode("utf-8", "surrogatepass"), member[end + 16 :]
 
@@ -462,6 +466,7 @@ class ParkingArea:
         self._wake_up = asyncio.Event()
         self._stopping = False
         self._parks_done = 0
+        self._unparkable_logged = False
         self._next_look = 0.0  # loop time of the release loop's next look, while it waits
         self._unpark_failing = False
         self._void_failing = False
@@ -530,6 +535,20 @@ class ParkingArea:
     async def _park(self, request: Request, ticket: Ticket) -> None:
         try:
             await self.store.park(request, ticket)
+        except Unparkable as error:
+            self._crawler.stats.inc_value(f"{STATS_PREFIX}/unparkable")
+            if not self._unparkable_logged:
+                self._unparkable_logged = True
+                logger.warning(
+                    "Redis throttle: %s cannot be parked (%s); it waits in the downloader, "
+                    "as will others that cannot (counted in %s/unparkable, logged once)",
+                    request,
+                    error,
+                    STATS_PREFIX,
+                )
+            self._unparkable.add(request)
+            self._give_back(request, ticket)
+            return
         except Exception:
             # Not lost: the middleware holds it until its moment instead.
             logger.exception(
@@ -715,7 +734,7 @@ def parked_key(scheduler: ScrapyRedisScheduler, spider: Spider) -> str:
     return f"{scheduler.queue_key % {'spider': spider.name}}:parked"
 
 
-def attach(crawler: Crawler, scheduler: BaseScheduler) -> ParkingArea:
+def attach(crawler: Crawler, scheduler: BaseScheduler, rejections: Rejections) -> ParkingArea:
     """Attach a parking area to the engine's *scheduler*, whatever its class: its
     ``enqueue_request``, ``next_request``, ``has_pending_requests`` and ``close`` are wrapped
     on this instance (the engine calls them there), so that parked requests are taken before
@@ -730,9 +749,7 @@ def attach(crawler: Crawler, scheduler: BaseScheduler) -> ParkingArea:
         if scheduler.flush_on_start:
             scheduler.server.delete(key, moments_key(key))
         url, params = queue_redis_connection(crawler.settings)
-        # The queue's serializer: SCHEDULER_SERIALIZER, or scrapy-redis's default (pickle).
-        store = RedisParking(connect_url(url, params, PARKING_CONNECTIONS), key, spider,
-                             scheduler.queue.serializer)  # fmt: skip
+        store = RedisParking(connect_url(url, params, PARKING_CONNECTIONS), key, spider, rejections)
         # Known from the start, so that the spider neither closes nor idles on a guess (read
         # synchronously, as scrapy-redis itself reads its queue's length at start).
         store.parked = int(scheduler.server.zcard(key))

@@ -33,6 +33,11 @@ if TYPE_CHECKING:
 
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+# scrapy-redis's scheduler and dupefilter, as its README sets them.
+SCRAPY_REDIS = {
+    "SCHEDULER": "scrapy_redis.scheduler.Scheduler",
+    "DUPEFILTER_CLASS": "scrapy_redis.dupefilter.RFPDupeFilter",
+}
 
 
 def documented_acl_rules() -> list[str]:

@@ -443,3 +443,15 @@ def test_bad_connection_parameters_are_named_without_their_value(name: str) -> N
     with pytest.raises(ThrottleConfigError, match=f"{name} must be a dict, got a str") as error:
         config(**{name: '{"password": "secret", }'})
     assert "secret" not in str(error.value)
+
+
+def test_a_domains_limits_are_bounded() -> None:
+    """As lua/token_bucket.lua keeps its work per call bounded."""
+    with pytest.raises(ThrottleConfigError, match="17 limits; a domain has at most 16"):
+        parse_limit(["1/s"] * 17, default_burst=1, source="RATES['a']")
+    with pytest.raises(ThrottleConfigError, match="at most 10,000 per window, got '10001/h'"):
+        parse_limit({"rate": "10001/h", "algorithm": "sliding_window"}, default_burst=1, source="x")
+    assert parse_limit(["1/s"] * 16, default_burst=1, source="x") is not None
+    assert parse_limit(
+        {"rate": "10001/h", "algorithm": "fixed_window"}, default_burst=1, source="x"
+    )

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import logging
 from itertools import pairwise
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from demo_site import HOSTS, DemoSite
 from local_redis import RedisServer
-from scrapy import signals
+from scrapy import Request, Spider, signals
+from scrapy.downloadermiddlewares.robotstxt import RobotsTxtMiddleware
+from scrapy.robotstxt import ProtegoRobotParser
 from support import (
     ARRIVAL_JITTER,
     assert_paced,
@@ -21,8 +24,11 @@ from support import (
     start_crawl_workers,
 )
 
-from scrapy_redis_throttle import Limit
-from scrapy_redis_throttle.crawl_delay import with_crawl_delay
+from scrapy_redis_throttle import Limit, RedisThrottleMiddleware, crawl_delay
+from scrapy_redis_throttle.crawl_delay import MAX_HOSTS, with_crawl_delay
+
+if TYPE_CHECKING:
+    from scrapy.crawler import Crawler
 
 A, B, C = HOSTS
 HAS_ROBOTS_SIGNAL = hasattr(signals, "robots_parsed")
@@ -154,3 +160,80 @@ def test_a_fleet_keeps_the_crawl_delay_between_all_its_requests(
     for stats in all_stats:
         assert stats["test/responses"] == pages_each
         assert stats["redis_throttle/crawl_delay/applied"] == 1
+
+
+def throttle_of(crawler: Crawler) -> RedisThrottleMiddleware:
+    [middleware] = [
+        m
+        for m in crawler.engine.downloader.middleware.middlewares
+        if isinstance(m, RedisThrottleMiddleware)
+    ]
+    return middleware
+
+
+@needs_robots_signal
+@async_test
+async def test_the_crawl_delays_of_100000_hosts_keep_a_bounded_memory(
+    redis_server: RedisServer,
+) -> None:
+    """100,000 hosts' robots.txt ask for a Crawl-delay, as RobotsTxtMiddleware reports them (its
+    signal, its cache): the worker keeps the last MAX_HOSTS, and the robots.txt of the hosts it
+    forgot leave Scrapy's cache too (their next request fetches it again)."""
+    kept: dict[str, Any] = {}
+    parser = ProtegoRobotParser(robots(2).encode(), None)
+
+    def opened(spider: Spider) -> None:
+        crawler = spider.crawler
+        [robots_middleware] = [
+            m
+            for m in crawler.engine.downloader.middleware.middlewares
+            if isinstance(m, RobotsTxtMiddleware)
+        ]
+        for n in range(100_000):
+            netloc = f"host{n}.example"
+            crawler.signals.send_catch_log(
+                signal=signals.robots_parsed,
+                robotparser=parser,
+                request=Request(f"http://{netloc}/page"),
+            )
+            robots_middleware._parsers[netloc] = parser  # as Scrapy keeps it, after the signal
+        kept.update(throttle=throttle_of(crawler), robots=robots_middleware._parsers)
+
+    crawler = await run_crawl(
+        crawl_settings(redis_server.url, ROBOTSTXT_OBEY=True), [], {signals.spider_opened: opened}
+    )
+    delays = kept["throttle"].crawl_delays
+    assert len(delays._limits) == MAX_HOSTS
+    assert len(kept["robots"]) == MAX_HOSTS
+    assert crawler.stats.get_value("redis_throttle/crawl_delay/forgotten") == 100_000 - MAX_HOSTS
+    assert delays.limit("host99999.example", None).rate == 0.5, "the latest are kept"
+    assert delays.limit("host0.example", None) is None, "the first forgotten"
+    assert "host0.example" not in kept["robots"], "and fetched again at its next request"
+
+
+@needs_robots_signal
+@async_test
+async def test_a_forgotten_crawl_delay_comes_back_with_its_robots_txt(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With room for one host's delay, two hosts whose requests alternate: each request of one
+    forgets the other's delay, whose next request fetches robots.txt again; both keep theirs."""
+    monkeypatch.setattr(crawl_delay, "MAX_HOSTS", 1)
+    with DemoSite(HOSTS, pages=10, robots={A: robots(0.5), B: robots(0.5)}) as site:
+        crawler = await run_crawl(
+            crawl_settings(redis_server.url, ROBOTSTXT_OBEY=True, REDIS_THROTTLE_DEFAULT_RATE=None),
+            [
+                spec
+                for pair in zip(pages(site, A, 5), pages(site, B, 5), strict=True)
+                for spec in pair
+            ],
+        )
+        robots_fetches = {
+            host: sum(a.path == "/robots.txt" for a in site.arrivals(host)) for host in (A, B)
+        }
+        times = {host: page_times(site, host) for host in (A, B)}
+    assert crawler.stats.get_value("redis_throttle/crawl_delay/forgotten") >= 1
+    assert max(robots_fetches.values()) >= 2, robots_fetches
+    for host in (A, B):
+        assert len(times[host]) == 5
+        assert_paced(times[host], rate=2, burst=1, what=host)

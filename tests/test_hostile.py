@@ -5,21 +5,30 @@ breaker, and the other domains keep their pace. Sent by a real HTTP server to re
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
+import pickle
+import re
+import sys
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import scrapy
 from demo_site import HOSTS, DemoSite
 from local_redis import RedisServer
-from scrapy import signals
+from scrapy import FormRequest, Request, signals
+from scrapy.http import JsonRequest
 from scrapy.settings import Settings
 from scrapy.statscollectors import MemoryStatsCollector
 from scrapy.utils.test import get_crawler
 from support import (
+    SCRAPY_REDIS,
     assert_paced,
     async_test,
     crawl_settings,
@@ -29,6 +38,7 @@ from support import (
     wait_until_async,
 )
 
+from scrapy_redis_throttle import penalties
 from scrapy_redis_throttle.bucket import bucket_key, penalty_key, rate_key
 from scrapy_redis_throttle.cli import EXIT_BAD_INPUT
 from scrapy_redis_throttle.config import (
@@ -41,12 +51,14 @@ from scrapy_redis_throttle.connection import ThrottleRedis, close, connect
 from scrapy_redis_throttle.control import LiveControl
 from scrapy_redis_throttle.crawl_delay import MIN_CRAWL_DELAY, parse_crawl_delay
 from scrapy_redis_throttle.penalties import (
+    MAX_RESUBSCRIBE_DELAY,
     MAX_RETRY_AFTER,
     PAUSES_PER_KEY,
     SWEEP_STEP,
     Pauses,
     parse_retry_after,
 )
+from scrapy_redis_throttle.request_codec import Unparkable, decode_request, encode_request
 from scrapy_redis_throttle.resilience import ResilientBucket
 from scrapy_redis_throttle.scripts import load_script
 
@@ -248,6 +260,50 @@ async def test_the_pauses_listener_survives_any_error_and_caps_what_it_hears(
     assert 599 < pauses.paused_for("b.example") <= 600
     [warning] = [r for r in caplog.records if "could not be passed on" in r.getMessage()]
     assert warning.exc_info is not None, "a traceback, to find the bug"
+
+
+@async_test
+async def test_the_pauses_listener_backs_off_while_a_bug_fails_it_at_once(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug outside the handling of one message (here, made to fail on every message) ends
+    the subscription each time it is subscribed again: it subscribes again after 1 s, doubled
+    at each such failure up to MAX_RESUBSCRIBE_DELAY, warns once with the traceback, and
+    goes on listening. (The waits are recorded, not waited; the wait goes back to 1 s once a
+    subscription lasts longer than the last wait, which this test does not wait for.)"""
+    caplog.set_level(logging.WARNING, logger="scrapy_redis_throttle")
+    waits: list[float] = []
+
+    async def record(seconds: float) -> None:
+        waits.append(seconds)
+
+    def bug(data: bytes) -> None:
+        raise RuntimeError("a bug outside one message")
+
+    monkeypatch.setattr(penalties, "sleep", record)
+    pauses, client, stats = listening_pauses(redis_server, lambda *_: None)
+    monkeypatch.setattr(pauses, "_received", bug)
+    try:
+        await pauses.start()
+        with redis_server.client() as publisher:
+            for n in range(8):
+                await wait_until_async(
+                    lambda: publisher.pubsub_numsub("ch")[0][1] == 1, "subscribed again"
+                )
+                publisher.publish("ch", b"1000000 a.example")
+                await wait_until_async(lambda: len(waits) > n, f"failure {n + 1}")  # noqa: B023
+        listener = pauses._listener
+        assert listener is not None
+        assert not listener.done(), "still listening"
+    finally:
+        pauses.stop()
+        await close(client)
+    assert waits == [1, 2, 4, 8, 16, *[MAX_RESUBSCRIBE_DELAY] * 3]
+    assert stats.get_value("redis_throttle/listener_errors/RuntimeError") == 8
+    # Once per subscription that fails: at most every MAX_RESUBSCRIBE_DELAY while it goes on.
+    warnings = [r for r in caplog.records if "cannot listen" in r.getMessage()]
+    assert len(warnings) == 8
+    assert all(warning.exc_info is not None for warning in warnings), "tracebacks, for the bug"
 
 
 @async_test
@@ -540,3 +596,206 @@ def test_the_tool_refuses_a_url_or_a_port_and_stores_a_name_as_workers_read_it(
         assert LiveControl(client, "redis_throttle").live_limits().keys() == {
             "xn--bcher-kva.example"
         }
+
+
+class Product(scrapy.Item):
+    name = scrapy.Field()
+
+
+class Touch:
+    """A pickle that creates *path* when unpickled."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (self.path,))
+
+
+def nested(depth: int) -> list[Any]:
+    """A list in a list ... *depth* deep."""
+    inner: list[Any] = []
+    for _ in range(depth):
+        inner = [inner]
+    return inner
+
+
+def parked_member(key: str, body: bytes) -> bytes:
+    """A member of the parking set as park.lua takes it: not indexed, *body* as the request."""
+    return b"u%s%05d%s%016d%s" % (uuid.uuid4().hex.encode(), len(key), key.encode(), 0, body)
+
+
+def as_dict(request: Request) -> dict[str, Any]:
+    return {**request.to_dict(spider=CodecSpider()), "class": type(request)}
+
+
+class CodecSpider(scrapy.Spider):
+    name = "codec"
+
+    def parse_page(self, response: object) -> None:
+        pass
+
+    def failed(self, failure: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        Request("http://127.0.0.2/a"),
+        Request(
+            "http://127.0.0.2/b?q=1",
+            method="POST",
+            body=bytes(range(256)),
+            headers={"X-Raw": b"\xff\x00caf\xe9", "Accept": ["a", "b"]},
+            cookies=[{"name": "c", "value": "1", "domain": "127.0.0.2"}],
+            meta={"depth": 3, "nested": {"list": [1, 2.5, None, True, "é"]}, "retry_times": 0},
+            cb_kwargs={"page": 2, "seen": ["x"]},
+            priority=-7,
+            dont_filter=True,
+            flags=["parked"],
+            encoding="latin-1",
+        ),
+        FormRequest("http://127.0.0.3/form", formdata={"q": "scrapy", "page": "2"}),
+        JsonRequest("http://127.0.0.4/api", data={"a": [1, 2]}, dumps_kwargs={"indent": 2}),
+    ],
+    ids=["plain", "everything", "form", "json"],
+)
+@pytest.mark.parametrize("callbacks", [False, True])
+def test_a_parked_request_comes_back_from_json_as_it_went(
+    request_: Request, callbacks: bool
+) -> None:
+    spider = CodecSpider()
+    if callbacks:  # the spider's own methods, as a spider passes them
+        request_ = request_.replace(callback=spider.parse_page, errback=spider.failed)
+    encoded = encode_request(request_, spider)
+    json.loads(encoded)  # plain JSON: no pickle anywhere
+    back = decode_request(encoded, spider)
+    assert as_dict(back) == as_dict(request_)
+    assert (back.callback, back.errback) == (request_.callback, request_.errback)
+
+
+@pytest.mark.parametrize(
+    ("meta", "reason"),
+    [
+        ({"item": Product(name="x")}, "meta['item'] is a Product"),
+        ({"bindaddress": ("127.0.0.1", 0)}, "meta['bindaddress'] is a tuple"),
+        ({"raw": b"bytes"}, "meta['raw'] is a bytes"),
+        ({"timeout": math.inf}, "meta['timeout'] is inf"),
+        ({"by_id": {1: "a"}}, "meta['by_id'] has a key 1"),
+        ({"deep": nested(40)}, "deeper than 32"),
+    ],
+)
+def test_a_request_json_would_not_give_back_as_it_was_is_unparkable(
+    meta: dict[str, Any], reason: str
+) -> None:
+    with pytest.raises(Unparkable, match=re.escape(reason)):
+        encode_request(Request("http://127.0.0.2/", meta=meta), CodecSpider())
+    with pytest.raises(Unparkable, match="its URL has no host"):
+        encode_request(Request("file:///etc/hosts"), CodecSpider())
+    with pytest.raises(Unparkable, match="not an instance method"):
+        encode_request(Request("http://127.0.0.2/", callback=print), CodecSpider())
+
+
+GOOD = {"url": "http://127.0.0.2/", "callback": "parse_page", "method": "GET"}
+
+
+@pytest.mark.parametrize(
+    ("entry", "reason"),
+    [
+        (pickle.dumps(Request("http://127.0.0.2/").to_dict()), "not JSON"),
+        (b"\xff\xfe{", "not JSON"),
+        (b"[" * 100_000 + b"]" * 100_000, "not JSON"),  # json's recursion
+        (b"9" * 5000, "not JSON"),  # past Python's digits for an int
+        (b"[]", "not an object"),
+        (json.dumps({"method": "GET"}).encode(), "no url"),
+        (json.dumps({**GOOD, "url": 5}).encode(), "url is a int"),
+        (json.dumps({**GOOD, "url": "file:///etc/passwd"}).encode(), "has no host"),
+        (json.dumps({**GOOD, "url": "no scheme"}).encode(), "not a request"),
+        (json.dumps({**GOOD, "evil": 1}).encode(), "unknown fields ['evil']"),
+        (json.dumps({**GOOD, "_class": "this.Request"}).encode(), "no request class"),
+        (json.dumps({**GOOD, "_class": "os.system"}).encode(), "no request class"),
+        (json.dumps({**GOOD, "_class": "scrapy.Spider"}).encode(), "no request class"),
+        (json.dumps({**GOOD, "_class": ["x"]}).encode(), "_class is a list"),
+        (json.dumps({**GOOD, "callback": "crawler"}).encode(), "no method of the spider"),
+        (json.dumps({**GOOD, "callback": "__init__"}).encode(), "no method of the spider"),
+        (json.dumps({**GOOD, "errback": "missing"}).encode(), "no method of the spider"),
+        (json.dumps({**GOOD, "callback": 3}).encode(), "not a method name"),
+        (json.dumps({**GOOD, "body": "!!"}).encode(), "body is not base64"),
+        (json.dumps({**GOOD, "headers": {"a": "b"}}).encode(), "headers are not"),
+        (json.dumps({**GOOD, "headers": [["a", ["€"]]]}).encode(), "no byte"),
+        (json.dumps({**GOOD, "priority": 10**20}).encode(), "priority"),
+        (json.dumps({**GOOD, "priority": True}).encode(), "priority"),
+        (json.dumps({**GOOD, "dont_filter": "yes"}).encode(), "dont_filter is a str"),
+        (json.dumps({**GOOD, "flags": [1]}).encode(), "flags are not"),
+        (json.dumps({**GOOD, "meta": []}).encode(), "meta is a list"),
+        (b'{"url": "http://127.0.0.2/", "meta": {"x": NaN}}', "meta['x'] is nan"),
+        (b'{"url": "http://127.0.0.2/", "meta": {"x": 1e400}}', "meta['x'] is inf"),
+        (json.dumps({**GOOD, "meta": {"d": nested(33)}}).encode(), "deeper than 32"),
+        (json.dumps({**GOOD, "cookies": "a=b"}).encode(), "cookies are a str"),
+    ],
+)
+def test_a_forged_parked_request_is_refused_saying_why(entry: bytes, reason: str) -> None:
+    before = set(sys.modules)
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        decode_request(entry, CodecSpider())
+    assert set(sys.modules) == before, "reading an entry imported a module"
+
+
+@async_test
+async def test_forged_parked_requests_are_dropped_never_run(
+    redis_server: RedisServer, site: DemoSite, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Entries written into scrapy-redis's parking set by someone else, due at once, during a
+    real crawl: dropped and counted; nothing unpickled, imported or called; the crawl goes on."""
+    caplog.set_level(logging.WARNING, logger="scrapy_redis_throttle")
+    marker = tmp_path / "unpickled"
+    forged = [
+        pickle.dumps(Touch(marker)),
+        json.dumps({"url": site.url(A, "/forged"), "_class": "this.Request"}).encode(),
+        json.dumps({"url": site.url(A, "/forged"), "callback": "crawler"}).encode(),
+        b"{" * 50_000,
+    ]
+    with redis_server.client() as client:
+        client.zadd("url_list:requests:parked", {parked_member(A, body): 0 for body in forged})
+    crawler = await run_crawl(
+        crawl_settings(redis_server.url, **SCRAPY_REDIS),
+        [{"url": site.url(host, f"/page/{n}")} for host in (A, B) for n in range(4)],
+        redis_throttle_rates={A: "20/s", B: "20/s"},
+    )
+    stats = crawler.stats.get_stats()
+    assert not marker.exists(), "a pickle from Redis was run"
+    assert "this" not in sys.modules, "an entry imported a module"
+    assert stats["redis_throttle/rejected/parked_request"] == len(forged)
+    assert stats.get("test/responses") == 8, "the crawl went on"
+    assert [a.path for a in site.arrivals(A)].count("/forged") == 0
+    no_redis_failure(stats)
+    warnings = [r.getMessage() for r in caplog.records if "parking set" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "dropped it" in warnings[0]
+    with redis_server.client() as client:
+        assert client.zcard("url_list:requests:parked") == 0
+
+
+@async_test
+async def test_a_request_that_cannot_be_json_waits_in_the_downloader(
+    redis_server: RedisServer, site: DemoSite, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With scrapy-redis's scheduler, a slow domain's requests carrying an Item in their meta:
+    not parked (it would take pickle), but held until their moments: all crawled, paced."""
+    caplog.set_level(logging.WARNING, logger="scrapy_redis_throttle")
+    crawler = await run_crawl(
+        crawl_settings(redis_server.url, REDIS_THROTTLE_MAX_HOLD=0.1, **SCRAPY_REDIS),
+        [{"url": site.url(A, f"/page/{n}"), "meta": {"item": Product(name=n)}} for n in range(3)],
+        redis_throttle_rates={A: "4/s"},
+    )
+    stats = crawler.stats.get_stats()
+    arrivals = [a.time for a in site.arrivals(A)]
+    assert (len(arrivals), stats.get("test/responses")) == (3, 3)
+    assert_paced(arrivals, rate=4, burst=1, what=A)
+    assert stats["redis_throttle/unparkable"] == 2, "the first went at once"
+    assert "redis_throttle/parked" not in stats
+    no_redis_failure(stats)
+    warnings = [r.getMessage() for r in caplog.records if "cannot be parked" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "meta['item'] is a Product" in warnings[0]

@@ -4,8 +4,8 @@ whatever the scheduler (Scrapy's, scrapy-redis's, a subclass of either, or this 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-import pickle
 import time
 import uuid
 from collections import Counter
@@ -23,6 +23,7 @@ from scrapy.utils.defer import maybe_deferred_to_future
 from scrapy_redis.scheduler import Scheduler as ScrapyRedisScheduler
 from spiders import UrlListSpider
 from support import (
+    SCRAPY_REDIS,
     achieved_rate,
     assert_paced,
     async_test,
@@ -44,10 +45,6 @@ from scrapy_redis_throttle.scripts import load_script
 from scrapy_redis_throttle.server_clock import ServerClock
 
 SLOW, FREE, _ = HOSTS
-SCRAPY_REDIS = {
-    "SCHEDULER": "scrapy_redis.scheduler.Scheduler",
-    "DUPEFILTER_CLASS": "scrapy_redis.dupefilter.RFPDupeFilter",
-}
 
 
 class SubclassedScheduler(ScrapyRedisScheduler):  # type: ignore[misc]
@@ -143,7 +140,7 @@ async def test_redis_parked_requests_survive_the_close_for_the_next_run(
         read = [read_member(member) for member in members]
         assert [(flag, key) for flag, key, _ in read] == [(b"r", SLOW)] * 2, "reserved moments"
         assert client.zcard("url_list:requests:parked:moments") == 2, "indexed by moment"
-        parked = [pickle.loads(encoded) for _, _, encoded in read]  # Request.to_dict() output
+        parked = [json.loads(encoded) for _, _, encoded in read]  # Request.to_dict(), as JSON
         assert len(parked) == 2, "both waiting requests are still in Redis"
         assert {r["url"] for r in parked} | {site.url(SLOW, site.arrivals(SLOW)[0].path)} == {
             site.url(SLOW, f"/page/{n}") for n in range(3)
@@ -409,27 +406,26 @@ def test_a_park_that_waited_its_turn_counts_its_delay_from_when_it_was_asked(
                 client.eval(load_script("park.lua"), 2, *keys, "0", member(b"r", SLOW, b"bad"), bad)
 
 
-def test_requests_parked_by_earlier_versions_are_read_as_not_reserved() -> None:
-    """Before the index of moments, a member was a 16-byte id and the serialized request."""
-    old = uuid.uuid4().bytes + b"\x80\x04serialized"
-    assert read_member(old) == (b"u", "", b"\x80\x04serialized")
-    new = member(b"r", SLOW, b"\x80\x04serialized")
-    assert read_member(new) == (b"r", SLOW, b"\x80\x04serialized")
+def test_a_member_not_of_park_luas_form_is_refused() -> None:
+    """Such as those of versions before the index of moments: a 16-byte id, then a pickle."""
+    with pytest.raises(ValueError, match=r"not of the form park\.lua writes"):
+        read_member(uuid.uuid4().bytes + b"\x80\x04serialized")
+    assert read_member(member(b"r", SLOW, b"{}")) == (b"r", SLOW, b"{}")
 
 
 def test_tickets_read_back_from_redis_are_parsed_strictly() -> None:
-    """A ticket of an earlier version (no moment) keeps its reservation; a field that is not a
-    time, such as an integer no float holds, makes it unreserved (that request asks again),
-    and nothing else fails."""
+    """A field that is not a time, such as an integer no float holds, or a ticket of another
+    shape makes it unreserved (that request asks again), and nothing else fails."""
     now = time.time()
-    earlier = Ticket.from_wire([True, now, "another-process", False, now], SLOW, 5.0)
-    assert (earlier.reserved, earlier.moment_us, earlier.elsewhere) == (True, None, True)
     current = Ticket.from_wire([True, now, "another-process", False, now, 1e15], SLOW, 5.0)
-    assert (current.reserved, current.moment_us) == (True, 1e15)
+    assert (current.reserved, current.moment_us, current.elsewhere) == (True, 1e15, True)
+    unmoved = Ticket.from_wire([True, now, "another-process", False, now, None], SLOW, 5.0)
+    assert (unmoved.reserved, unmoved.moment_us) == (True, None)
     for moment in (10**400, float("nan"), "1e15", True):
         hostile = Ticket.from_wire([True, now, "another-process", False, now, moment], SLOW, 5.0)
         assert (hostile.reserved, hostile.moment_us, hostile.due) == (False, None, 5.0), moment
-    assert Ticket.from_wire([True, 10**400, "p", False, now], SLOW, 5.0).reserved is False
+    assert Ticket.from_wire([True, 10**400, "p", False, now, None], SLOW, 5.0).reserved is False
+    assert Ticket.from_wire([True, now, "p", False, now], SLOW, 5.0).reserved is False
 
 
 @async_test

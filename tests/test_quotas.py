@@ -30,6 +30,7 @@ from support import (
     wait_until_async,
 )
 
+from scrapy_redis_throttle import bucket as bucket_module
 from scrapy_redis_throttle.activity import parked_key
 from scrapy_redis_throttle.bucket import LOG_SUFFIX, QUOTA_SUFFIX, bucket_key
 from scrapy_redis_throttle.cli import EXIT_BAD_INPUT
@@ -264,6 +265,8 @@ def test_the_script_checks_each_limit(redis_server: RedisServer) -> None:
             (["s", "1", "28941164.74"], "both whole for windows"),
             (["s", "5", "-1"], "a period > 0"),
             (["s", "5"], "got s 5 nil"),
+            (["s", "10001", "1000000"], "at most 10000 for s"),
+            (["t", "1", "1000000"] * 17, "at most 16 more limits, got 17"),
         ]:
             with pytest.raises(redis.ResponseError, match=message):
                 script(keys=keys, args=base + extra)
@@ -352,6 +355,8 @@ async def test_the_tool_sets_several_limits(redis_server: RedisServer) -> None:
         ["set", "1", "-", "ch", "n", "t 5/2e5"],
         ["set", "1", "-", "ch", "n", "t1/10,x"],
         ["set", "1", "-", "ch", "n", "s0/10"],
+        ["set", "1", "-", "ch", "n", "s10001/10"],
+        ["set", "1", "-", "ch", "n", ",".join(["t1/10"] * 17)],
         ["set", "-", "-", "ch", "n", "t1/10"],  # quotas come with a rate
     ],
 )
@@ -469,3 +474,70 @@ def test_status_shows_the_fleets_activity(redis_server: RedisServer) -> None:
         wait_until(shown, 60, "a status row of A with requests gone and waiting")
         finish_crawl_workers(workers, 60)
     assert "full in  last minute  waiting  penalty pause" in lines[0]
+
+
+@async_test
+async def test_domains_with_live_quotas_are_remembered_within_a_bound(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past LIVE_QUOTAS_KEPT domains (a hostile Redis may set quotas on every one), the worker
+    forgets them all: each one's next call is one more, and its quotas still apply."""
+    monkeypatch.setattr(bucket_module, "LIVE_QUOTAS_KEPT", 3)
+    window = limit({"rate": "1/m", "algorithm": SLIDING})
+    domains = [f"d{n}.example" for n in range(7)]
+    with redis.Redis.from_url(redis_server.url) as client:
+        control = LiveControl(client, "ns")
+        for domain in domains:
+            control.set(domain, 100, 5, window.quotas)
+        async with token_bucket(redis_server) as bucket:
+            for domain in domains:
+                assert (await bucket.acquire(domain, limit("10/s"))).allowed
+                assert len(bucket._live_quotas) <= 3
+            for domain in domains:
+                assert not (await bucket.acquire(domain, limit("10/s"))).allowed, "1 a minute"
+                assert len(bucket._live_quotas) <= 3
+
+
+@async_test
+async def test_a_request_of_a_sliding_windows_whole_count_is_logged_in_batches(
+    redis_server: RedisServer,
+) -> None:
+    """A cost of 10,000 (the most a sliding window counts) adds 10,000 moments to the log, in
+    ZADDs of 1,000: the window is full for the next request."""
+    limits = limit({"rate": "10000/s", "burst": 10_000}, {"rate": "10000/h", "algorithm": SLIDING})
+    with redis.Redis.from_url(redis_server.url) as client:
+        async with token_bucket(redis_server) as bucket:
+            first = await bucket.acquire(A, limits, cost=10_000)
+            second = await bucket.acquire(A, limits)
+        moments = logged(client, KEY)
+    assert first.allowed
+    assert not second.allowed, "the window holds the first request's 10,000"
+    assert len(moments) == 10_000
+    assert len(set(moments)) == 1, "all at the first request's moment"
+    assert 3599 < second.retry_after <= 3600
+
+
+@async_test
+async def test_fixed_windows_reserve_at_most_64_windows_ahead(redis_server: RedisServer) -> None:
+    """A window's state stays at most 65 windows long: a request due further ahead reserves
+    nothing (and takes nothing) and asks again; of a hostile state of 100,000 windows, 65
+    entries are read and the windows past 64 ahead dropped."""
+    limits = limit("1000/s", {"rate": "1/0.1s", "algorithm": FIXED})
+    field = "f1/100000"
+    with redis.Redis.from_url(redis_server.url) as client:
+        async with token_bucket(redis_server) as bucket:
+            results = [await bucket.acquire(A, limits, reserve=60) for _ in range(70)]
+            windows = client.hget(KEY + QUOTA_SUFFIX, field).split()[::2]
+            current = redis_now_us(client) // 100_000
+            far = " ".join(f"{current + 1000 + n} 1" for n in range(100_000))
+            client.hset(KEY + QUOTA_SUFFIX, field, f"{current} 1 {far}")
+            after_garbage = await bucket.acquire(A, limits, reserve=60)
+            rewritten = client.hget(KEY + QUOTA_SUFFIX, field).split()[::2]
+    reserved = [r for r in results if r.allowed or r.reserved]
+    # One per window as far as 64 windows after the current one (which may move meanwhile).
+    assert 65 <= len(reserved) < 70, "some are due too far ahead to reserve"
+    assert all(not (r.allowed or r.reserved) for r in results[len(reserved) :])
+    assert all(r.retry_after > 6.3 for r in results[len(reserved) :]), "they ask again then"
+    assert len(windows) <= 65, "the current window and 64 after it, at most"
+    assert after_garbage.allowed or after_garbage.reserved
+    assert len(rewritten) <= 2, "the far windows are gone"
