@@ -24,6 +24,8 @@
 -- As token_bucket.lua: the longest interval and period (µs), the most limits, the largest
 -- count of a sliding window.
 local MAX_INTERVAL, MAX_LIMITS, MAX_SLIDING_COUNT = 1e14, 16, 10000
+-- As token_bucket.lua: a longer value, or a time further ahead (µs), is garbage, taken as absent.
+local MAX_VALUE_BYTES, MAX_AHEAD = 4096, 1e15
 
 local action, rate, burst, limits = ARGV[1], ARGV[2], ARGV[3], ARGV[6] or ""
 local valid_rate = rate == "-" or (tonumber(rate) and 1000000 / tonumber(rate) > 0
@@ -54,9 +56,15 @@ local time = redis.call("TIME")
 local now = (tonumber(time[1]) - 1704067200) * 1000000 + tonumber(time[2])
 
 local state = redis.call("GET", KEYS[1]) or ""
+if #state > MAX_VALUE_BYTES then
+  state = ""
+end
 local tat, live_rate, live_burst, paused, live_limits =
   string.match(state, "^(%d*) ?(%S*) ?(%S*) ?([01]?) ?(%S*)$")
 tat = tonumber(tat)
+if tat and not (tat < now + MAX_AHEAD) then
+  tat = nil
+end
 if not live_rate or live_rate == "" then  -- no live limit yet
   live_rate, live_burst, paused, live_limits = "-", "-", "0", ""
 end

@@ -73,6 +73,13 @@ local MAX_SLIDING_COUNT = 10000
 local MAX_WINDOWS_AHEAD = 64
 -- Members of the log added by one ZADD (Lua's stack holds a few thousand arguments).
 local ZADD_BATCH = 1000
+-- What a call reads from Redis is bounded too: a value longer than this (the bucket's with a
+-- live limit, a fixed window's state) is not one the scripts wrote, and is taken as absent
+-- (Lua's patterns take time quadratic in the length of some garbage)...
+local MAX_VALUE_BYTES = 4096
+-- ...and so is a moment further ahead than this (µs, ~31 years: past any pause, and exact in a
+-- double), whose wait would overflow the reply's integers.
+local MAX_AHEAD = 1e15
 
 -- Whether algorithm, count and period (numbers, or nil) make a limit: a window's count and
 -- period are whole numbers (window n starts at n x period exactly).
@@ -117,6 +124,9 @@ local now = (tonumber(time[1]) - 1704067200) * 1000000 + tonumber(time[2])
 -- that reading it costs no call, and it overrides ARGV's ("-": ARGV's). A rate set live comes
 -- with the domain's more limits ("t5/2e5,s10/2e6": algorithm, count/period), maybe none.
 local state = redis.call("GET", KEYS[1])
+if state and #state > MAX_VALUE_BYTES then
+  state = nil
+end
 local tat = tonumber(state)
 local live = ""
 local live_limits
@@ -143,7 +153,7 @@ if state and not tat then
     cost = math.min(cost, burst)
   end
 end
-if tat and not (tat > -huge and tat < huge) then  -- NaN, or digits past a double's range
+if tat and not (tat > -huge and tat < now + MAX_AHEAD) then  -- NaN, or garbage far ahead
   tat = nil
 end
 
@@ -151,10 +161,16 @@ end
 local limits
 if live_limits and live_limits ~= "" then
   limits = {}
-  for algorithm, count, period in string.gmatch(live_limits, "(%a)([^/,]+)/([^,]+)") do
-    if #limits == MAX_LIMITS then
+  -- Anchored at each item (gmatch's search from every position took time quadratic in the
+  -- length of garbage): the first item that is none ends the list.
+  local position = 1
+  while #limits < MAX_LIMITS do
+    local _, last, algorithm, count, period =
+      string.find(live_limits, "^(%a)([^/,]+)/([^,]+),?", position)
+    if not last then
       break
     end
+    position = last + 1
     if limit_ok(algorithm, tonumber(count), tonumber(period)) then  -- else ignored, as above
       limits[#limits + 1] = {algorithm, count, period}
       -- As with a live burst: a request the workers' own limits let cost more goes at this cost.
@@ -221,23 +237,32 @@ if limits then
       field = algorithm .. limit[2] .. "/" .. limit[3]}
     if algorithm == "t" then
       -- busy_for is the domain's own bucket's: a quota's tokens were not taken meanwhile.
-      quota.tat = math.max(tonumber(redis.call("HGET", KEYS[3], quota.field)) or 0, now)
+      local quota_tat = tonumber(redis.call("HGET", KEYS[3], quota.field))
+      if not (quota_tat and quota_tat < now + MAX_AHEAD) then  -- (NaN fails too)
+        quota_tat = now
+      end
+      quota.tat = math.max(quota_tat, now)
       moment = math.max(moment, quota.tat + (cost - count) * period)
     elseif algorithm == "f" then
       -- "<window> <count> ...": the requests of each window from now on (some reserved ahead).
       -- Windows follow one another from the epoch: every worker agrees on them.
       quota.windows = {}
       local state = redis.call("HGET", KEYS[3], quota.field) or ""
-      local current, read = math.floor(now / period), 0
-      for window, used in string.gmatch(state, "(%d+) (%d+)") do
-        window, used = tonumber(window), tonumber(used)
-        -- Written in order, at most MAX_WINDOWS_AHEAD + 1; a window further ahead is garbage.
-        if window >= current and window <= current + MAX_WINDOWS_AHEAD then
-          quota.windows[window] = used
-        end
-        read = read + 1
-        if read > MAX_WINDOWS_AHEAD then
+      if #state > MAX_VALUE_BYTES then
+        state = ""
+      end
+      local current, position = math.floor(now / period), 1
+      -- Written in order, at most MAX_WINDOWS_AHEAD + 1 windows; a window further ahead is
+      -- garbage. Anchored at each pair, as the live limits above.
+      for _ = 0, MAX_WINDOWS_AHEAD do
+        local _, last, window, used = string.find(state, "^(%d+) (%d+) ?", position)
+        if not last then
           break
+        end
+        position = last + 1
+        window = tonumber(window)
+        if window >= current and window <= current + MAX_WINDOWS_AHEAD then
+          quota.windows[window] = tonumber(used)
         end
       end
     else
@@ -249,7 +274,10 @@ if limits then
       if quota.used > count then
         local oldest = redis.call("ZRANGEBYSCORE", KEYS[4], since, "+inf", "WITHSCORES", "LIMIT",
           quota.used - count - 1, 1)
-        moment = math.max(moment, tonumber(oldest[2]) + period)
+        local oldest_moment = tonumber(oldest[2])
+        if oldest_moment < now + MAX_AHEAD then  -- else a member no script wrote
+          moment = math.max(moment, oldest_moment + period)
+        end
       end
       longest_window = math.max(longest_window, period)
     end
@@ -341,7 +369,10 @@ if longest_window > 0 then
     redis.call("ZADD", KEYS[4], unpack(members))
   end
   redis.call("ZREMRANGEBYSCORE", KEYS[4], "-inf", string.format("%.17g", now - longest_window))
-  local last = redis.call("ZRANGE", KEYS[4], -1, -1, "WITHSCORES")[2]
-  redis.call("PEXPIRE", KEYS[4], math.ceil((tonumber(last) + longest_window - now) / 1000))
+  local last = tonumber(redis.call("ZRANGE", KEYS[4], -1, -1, "WITHSCORES")[2])
+  if not (last < now + MAX_AHEAD) then  -- a member no script wrote: it goes with the key
+    last = moment
+  end
+  redis.call("PEXPIRE", KEYS[4], math.ceil((last + longest_window - now) / 1000))
 end
 return {wait > 0 and 2 or 1, wait, reset_after, now, math.floor(math.max(0, remaining))}

@@ -41,9 +41,11 @@ STATS_PREFIX = "redis_throttle/crawl_delay"
 # The shortest Crawl-delay (seconds): a shorter one asks for no less (down to 5e-324, whose rate
 # would be infinite).
 MIN_CRAWL_DELAY = 0.001
-# Hosts whose Crawl-delay a worker keeps, at most (a crawl of 100,000 hosts keeps a bounded
-# memory, here and in RobotsTxtMiddleware's cache of the robots.txt of those forgotten).
+# Hosts whose Crawl-delay a worker keeps, at most: a crawl of 100,000 such hosts keeps a bounded
+# memory here (RobotsTxtMiddleware's cache drops those forgotten, and keeps every other host's).
 MAX_HOSTS = 10_000
+# Hosts looked at, least recently requested first, for one to forget.
+FORGET_TRIES = 8
 
 
 def parse_crawl_delay(value: object) -> float | None:
@@ -181,18 +183,25 @@ class CrawlDelays:
             self._robots = self._robots_cache()
         if self._robots is None:
             return  # kept: forgetting a delay Scrapy would not fetch again is impolite
-        forgotten, (_, forgotten_netlocs) = self._limits.popitem(last=False)
-        for netloc in forgotten_netlocs:
-            if not isinstance(self._robots.get(netloc), Deferred):  # (one being fetched stays)
+        for _ in range(min(FORGET_TRIES, len(self._limits))):
+            oldest, (_, oldest_netlocs) = next(iter(self._limits.items()))
+            # Scrapy sends the signal before it stores the robots.txt parsed: a host forgotten
+            # meanwhile would keep it stored, and never have its delay again. Later.
+            if any(isinstance(self._robots.get(netloc), Deferred) for netloc in oldest_netlocs):
+                self._limits.move_to_end(oldest)
+                continue
+            del self._limits[oldest]
+            for netloc in oldest_netlocs:
                 self._robots.pop(netloc, None)
-        self._crawler.stats.inc_value(f"{STATS_PREFIX}/forgotten")
-        logger.debug(
-            "Redis throttle: forgot the Crawl-delay of %r (more than %d hosts); its next request "
-            "fetches its robots.txt again",
-            forgotten,
-            MAX_HOSTS,
-            extra=self._log_extra(),
-        )
+            self._crawler.stats.inc_value(f"{STATS_PREFIX}/forgotten")
+            logger.debug(
+                "Redis throttle: forgot the Crawl-delay of %r (more than %d hosts); its next "
+                "request fetches its robots.txt again",
+                oldest,
+                MAX_HOSTS,
+                extra=self._log_extra(),
+            )
+            return
 
     def _robots_cache(self) -> dict[str, object] | None:
         """RobotsTxtMiddleware's robots.txt per netloc, from which a forgotten host is dropped

@@ -368,9 +368,10 @@ class RedisParking:
             try:
                 flag, key, encoded = read_member(member)
                 request = decode_request(encoded, self._spider)
-            except ValueError as error:
+            except Exception as error:  # (a ValueError, unless a bug: either way, the next)
                 # Not written by a worker of this version: the set is in reach of whoever may
-                # write into scrapy-redis's Redis.
+                # write into scrapy-redis's Redis. The batch is out of the set already: one
+                # such member must not lose the others.
                 self._rejections.reject(
                     "parked_request",
                     self.key,
@@ -525,6 +526,11 @@ class ParkingArea:
             self._unparkable.discard(request)
             return False, ticket
         return True, ticket
+
+    def busy(self) -> bool:
+        """Whether requests are in the downloader (downloading, or waiting in the throttle)."""
+        engine = self._crawler.engine
+        return bool(engine and engine.downloader.active)
 
     def has_pending_requests(self) -> bool:
         return (
@@ -699,6 +705,8 @@ class ParkingArea:
                 await self.store.park(
                     request, replace(ticket, due=now, reserved=False, locally=False)
                 )
+            except Unparkable:  # (waiting in the downloader, it was counted and logged)
+                lost += 1
             except Exception:
                 logger.exception("Redis throttle: could not park %s again at the close", request)
                 lost += 1
@@ -778,8 +786,21 @@ def _wrap(scheduler: BaseScheduler, area: ParkingArea) -> None:
         taken = area.enqueue_request(request)
         return enqueue_request(request) if taken is None else taken
 
+    # scrapy-redis's SCHEDULER_IDLE_BEFORE_CLOSE: with an empty FIFO or LIFO queue, its
+    # next_request blocks the reactor that long (BRPOP) waiting for more, before the spider may
+    # idle. While requests download, wait in the throttle or are parked, the spider cannot idle
+    # anyway, and the block would only delay them (held requests wake late, parked ones come
+    # back late: their moments are missed).
+    idle_before_close = getattr(scheduler, "idle_before_close", None)
+
     def next_one() -> Request | None:
-        return area.next_request(next_request)
+        if not (idle_before_close and (area.busy() or area.has_pending_requests())):
+            return area.next_request(next_request)
+        scheduler.idle_before_close = 0  # type: ignore[attr-defined]
+        try:
+            return area.next_request(next_request)
+        finally:
+            scheduler.idle_before_close = idle_before_close  # type: ignore[attr-defined]
 
     def pending() -> bool:
         return area.has_pending_requests() or has_pending_requests()

@@ -5,33 +5,38 @@ reads there (scrapy-redis's own queue does, with its default ``SCHEDULER_SERIALI
 parking set adds no second such door). A request is written as the JSON of Scrapy's
 :meth:`~scrapy.Request.to_dict` (its body in base64, its headers in Latin-1) and read back by a
 strict parser: a field of the wrong type, a request class this process has not imported, a
-callback that is not a method of the spider, a URL with no host (``file:``, which would read
-this machine's files) is refused; nothing is imported, nothing called.
+callback that is not a method of the spider's class, a URL that is not http or https (``file:``
+would read this machine's files) is refused; nothing is imported (but Python's own codecs, for
+the request's encoding), nothing called.
 
-A request whose meta, ``cb_kwargs`` or cookies hold anything JSON would not give back as it was
-(an Item, a tuple, bytes, a float that is not finite) cannot be parked: :class:`Unparkable`.
+A request that would not come back as it was cannot be parked (:class:`Unparkable`): its meta,
+``cb_kwargs`` or cookies hold a value JSON does not (an Item, a tuple, bytes, ``inf``), or any
+field the parser refuses.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import codecs
 import inspect
 import json
 import math
 import sys
-from typing import TYPE_CHECKING, Any
+from types import MethodType
+from typing import Any
 
-from scrapy import Request
+from scrapy import Request, Spider
 from scrapy.utils.httpobj import urlparse_cached
 
-if TYPE_CHECKING:
-    from scrapy import Spider
-
-# Nesting deeper than this in meta or cb_kwargs is refused (and never read back): a bound on the
-# work of a hostile entry, far above what a spider nests.
+# Bounds on the work of reading an entry, far above what a request needs: its size (a request
+# that would take more is not parked), and how deep its meta or cb_kwargs nest.
+MAX_BYTES = 1 << 20
 MAX_DEPTH = 32
 MAX_PRIORITY = 2**53
+# A parked request comes back only to be downloaded from a host: never file: (this machine's
+# files) nor data: (nothing to throttle).
+SCHEMES = ("http", "https")
 # The fields of Request.to_dict() besides the request class's attributes.
 _FIELDS = ("url", "callback", "errback", "headers")
 
@@ -41,9 +46,28 @@ class Unparkable(ValueError):
 
 
 def encode_request(request: Request, spider: Spider) -> bytes:
-    """*request* as the parking set holds it; :class:`Unparkable` says why it cannot be."""
-    if not urlparse_cached(request).netloc:
-        raise Unparkable("its URL has no host")
+    """*request* as the parking set holds it; :class:`Unparkable` says why it cannot be, which
+    includes any request :func:`decode_request` would not give back as it was."""
+    wire = _wire(request, spider)
+    try:
+        data = json.dumps(wire, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    except ValueError as error:  # an int of more digits than Python turns into text
+        raise Unparkable(f"not JSON: {error}") from None
+    if len(data) > MAX_BYTES:
+        raise Unparkable(f"{len(data):,} bytes as JSON, more than {MAX_BYTES:,}")
+    try:
+        back = decode_request(data, spider)
+    except ValueError as error:  # a priority past MAX_PRIORITY, flags that are no strings...
+        raise Unparkable(f"it would not be read back: {error}") from None
+    if _wire(back, spider) != wire:
+        raise Unparkable("it would not come back as it is")
+    return data
+
+
+def _wire(request: Request, spider: Spider) -> dict[str, Any]:
+    """Request.to_dict(), as JSON holds it."""
+    if urlparse_cached(request).scheme not in SCHEMES:
+        raise Unparkable("its URL is not http or https")
     try:
         fields = request.to_dict(spider=spider)
     except ValueError as error:  # a callback that is not a method of the spider
@@ -58,38 +82,63 @@ def encode_request(request: Request, spider: Spider) -> bytes:
                 [key.decode("latin-1"), [item.decode("latin-1") for item in values]]
                 for key, values in value.items()
             ]
+        elif name in ("callback", "errback") and value is not None:
+            wire[name] = _method_name(spider, getattr(request, name), name)
         else:
-            _check_plain(value, name, 0)
+            _check_plain(value, (name,), 0)
             wire[name] = value
-    return json.dumps(wire, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    return wire
 
 
-def _check_plain(value: object, where: str, depth: int) -> None:
+def _method_name(spider: Spider, method: Any, field: str) -> str:
+    """The name under which :func:`_method` finds *method*: Request.to_dict() gives the first
+    attribute of the spider that holds it, which may be an alias set on the instance."""
+    function = getattr(method, "__func__", None)
+    for name, member in inspect.getmembers(type(spider), inspect.isfunction):
+        if member is function and _callable_name(name):
+            return name
+    raise Unparkable(f"its {field} is no method of the spider's class")
+
+
+def _callable_name(name: str) -> bool:
+    """Whether a method of this name may be a request's callback: not one of Scrapy's Spider
+    (its internals, such as _set_crawler) but parse, nor a special method."""
+    return name == "parse" or not (name in vars(Spider) or name.startswith("__"))
+
+
+def _check_plain(value: object, path: tuple[object, ...], depth: int) -> None:
     """Refuse what JSON would not give back as it is (exact types: a str or int subclass comes
-    back as the base class, a tuple as a list)."""
+    back as the base class, a tuple as a list). *path* says where *value* is: formatted only
+    for the message (building it for every item cost time quadratic in the nesting)."""
     if depth > MAX_DEPTH:
-        raise Unparkable(f"{where} is nested deeper than {MAX_DEPTH}")
+        raise Unparkable(f"{_where(path)} is nested deeper than {MAX_DEPTH}")
     kind = type(value)
     if value is None or kind in (str, int, bool):
         return
     if isinstance(value, float) and kind is float:
         if not math.isfinite(value):
-            raise Unparkable(f"{where} is {value!r}, which JSON does not hold")
+            raise Unparkable(f"{_where(path)} is {value!r}, which JSON does not hold")
     elif isinstance(value, list) and kind is list:
         for index, item in enumerate(value):
-            _check_plain(item, f"{where}[{index}]", depth + 1)
+            _check_plain(item, (*path, index), depth + 1)
     elif isinstance(value, dict) and kind is dict:
         for key, item in value.items():
             if type(key) is not str:
-                raise Unparkable(f"{where} has a key {key!r} that is not a str")
-            _check_plain(item, f"{where}[{key!r}]", depth + 1)
+                raise Unparkable(f"{_where(path)} has a key {key!r:.50} that is not a str")
+            _check_plain(item, (*path, key), depth + 1)
     else:
-        raise Unparkable(f"{where} is a {kind.__name__}, which JSON does not hold")
+        raise Unparkable(f"{_where(path)} is a {kind.__name__}, which JSON does not hold")
+
+
+def _where(path: tuple[object, ...]) -> str:
+    return f"{path[0]}" + "".join(f"[{part!r:.50}]" for part in path[1:])
 
 
 def decode_request(data: bytes, spider: Spider) -> Request:
     """The request *data* holds (see :func:`encode_request`); ValueError for anything that is
     not such a request."""
+    if len(data) > MAX_BYTES:
+        raise ValueError(f"{len(data):,} bytes, more than {MAX_BYTES:,}")
     try:
         fields = json.loads(data)
     except (ValueError, RecursionError) as error:  # (UnicodeDecodeError is a ValueError)
@@ -99,30 +148,34 @@ def decode_request(data: bytes, spider: Spider) -> Request:
     request_class = _request_class(fields.pop("_class", None))
     unknown = set(fields) - {*_FIELDS, *request_class.attributes}
     if unknown:
-        raise ValueError(f"unknown fields {sorted(unknown)!r}")
+        raise ValueError(f"unknown fields {sorted(unknown)!r:.200}")
     kwargs: dict[str, Any] = {}
     for name, value in fields.items():
         kwargs[name] = _FIELD_PARSERS.get(name, _plain)(name, value, spider)
-    if "url" not in kwargs:
-        raise ValueError("no url")
+    if type(kwargs.get("url")) is not str or not kwargs["url"].startswith(
+        tuple(f"{scheme}://" for scheme in SCHEMES)
+    ):
+        raise ValueError("no http or https url")
     try:
         request = request_class(**kwargs)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"not a request: {error}") from None
-    if not urlparse_cached(request).netloc:
-        raise ValueError(f"url {request.url[:100]!r} has no host")
+    except Exception as error:  # a request class's constructor may raise anything
+        raise ValueError(f"not a request: {type(error).__name__}: {error!s:.200}") from None
+    if urlparse_cached(request).scheme not in SCHEMES or not urlparse_cached(request).netloc:
+        raise ValueError(f"url {request.url[:100]!r} is not an http or https URL with a host")
     return request
 
 
 def _request_class(name: object) -> type[Request]:
     """The request class *name* names, only if this process has imported it already: reading
-    an entry never imports a module (an import runs the module's code)."""
+    an entry never imports a module (an import runs the module's code; so does a module's
+    __getattr__, which vars() passes by)."""
     if name is None:
         return Request
     if type(name) is not str:
         raise ValueError(f"_class is a {type(name).__name__}")
     module_name, _, attribute = name.rpartition(".")
-    found = getattr(sys.modules.get(module_name), attribute, None) if module_name else None
+    module = sys.modules.get(module_name) if module_name else None
+    found = vars(module).get(attribute) if module is not None else None
     if not (isinstance(found, type) and issubclass(found, Request)):
         raise ValueError(f"_class {name[:100]!r} is no request class this worker imported")
     return found
@@ -140,24 +193,24 @@ def _typed(kind: type) -> Any:
 def _plain(name: str, value: object, spider: Spider) -> object:
     """Any JSON value (as json.loads gives it), nested at most MAX_DEPTH deep."""
     try:
-        _check_plain(value, name, 0)
+        _check_plain(value, (name,), 0)
     except Unparkable as error:
         raise ValueError(str(error)) from None
     return value
 
 
 def _method(name: str, value: object, spider: Spider) -> object:
-    """A callback or errback: None, or the name of a method of the spider (never another
-    attribute, which the request would call with its response)."""
+    """A callback or errback: None, or the name of a method of the spider's class (never
+    another attribute, nor one of Scrapy's Spider but parse: the request calls it with its
+    response), bound to the spider."""
     if value is None:
         return None
     if type(value) is not str:
         raise ValueError(f"{name} is a {type(value).__name__}, not a method name")
-    # A function of its class, not a special one: the request calls it with its response.
-    method = inspect.getattr_static(spider, value, None)
-    if not inspect.isfunction(method) or (value.startswith("__") and value.endswith("__")):
+    function = inspect.getattr_static(type(spider), value, None)
+    if not (inspect.isfunction(function) and _callable_name(value)):
         raise ValueError(f"{name} {value[:100]!r} is no method of the spider")
-    return getattr(spider, value)
+    return MethodType(function, spider)
 
 
 def _headers(name: str, value: object, spider: Spider) -> object:
@@ -206,6 +259,19 @@ def _cookies(name: str, value: object, spider: Spider) -> object:
     return _plain(name, value, spider)
 
 
+def _encoding(name: str, value: object, spider: Spider) -> object:
+    """A text encoding Python knows (not a bytes-to-bytes codec such as base64)."""
+    if type(value) is not str or len(value) > 40:
+        raise ValueError("encoding is not a short string")
+    try:
+        known = codecs.lookup(value)._is_text_encoding
+    except LookupError:
+        known = False
+    if not known:
+        raise ValueError(f"encoding {value!r} is no text encoding")
+    return value
+
+
 def _priority(name: str, value: object, spider: Spider) -> object:
     # Bounded, as scrapy-redis's queue scores requests by it (a float).
     if type(value) is not int or abs(value) > MAX_PRIORITY:
@@ -216,7 +282,7 @@ def _priority(name: str, value: object, spider: Spider) -> object:
 _FIELD_PARSERS = {
     "url": _typed(str),
     "method": _typed(str),
-    "encoding": _typed(str),
+    "encoding": _encoding,
     "priority": _priority,
     "dont_filter": _typed(bool),
     "callback": _method,

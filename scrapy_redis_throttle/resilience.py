@@ -19,7 +19,8 @@ A failed call is never replayed: a call that timed out may have taken its tokens
 replay would take them twice. The request is decided by the policy instead.
 
 A call a script refuses (its arguments, or what it read, are no limit: ``ERR redis_throttle:
-...``) is no failure of Redis, which answered: it is that request's problem. The breaker stays
+...``), or that met one of the domain's keys holding another type (``WRONGTYPE``: something else
+wrote it), is no failure of Redis, which answered: it is that request's problem. The breaker stays
 closed, the refusal is counted (``redis_throttle/rejected/script_call``) and logged once per
 domain, and the request is paced by this worker alone, at its share (whatever the policy: it
 never goes unthrottled, nor asks again at once).
@@ -62,8 +63,11 @@ FIRST_PROBE_DELAY = 0.5
 # after the last clean-up): a crawl of millions of domains must not grow without bound.
 LOCAL_PRUNE_SIZE = 10_000
 
-# How the scripts' error replies begin, once redis-py has taken "ERR " off.
+# How the scripts' error replies begin, once redis-py has taken "ERR " off; and Redis's reply
+# to a script that met a key of another type (something else wrote it): that domain's problem,
+# not a failure of Redis.
 REFUSAL = "redis_throttle:"
+WRONG_TYPE = "WRONGTYPE"
 
 
 class ScriptRefused(Exception):
@@ -397,7 +401,7 @@ class ResilientBucket:
         try:
             result = await call
         except RedisError as exc:
-            if isinstance(exc, ResponseError) and str(exc).startswith(REFUSAL):
+            if isinstance(exc, ResponseError) and str(exc).startswith((REFUSAL, WRONG_TYPE)):
                 self._succeeded()
                 self._rejections.reject(
                     "script_call", key, str(exc)[:300], "this request is paced by this worker alone"

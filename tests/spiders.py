@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from scrapy import Request, Spider
+from scrapy_redis.spiders import RedisSpider
 
 if TYPE_CHECKING:
     from scrapy.http import Response
@@ -27,8 +28,8 @@ BASE_SETTINGS: dict[str, Any] = {
 
 
 class UrlListSpider(Spider):
-    """Requests the given URLs once each (``requests``: dicts with ``url`` and optional ``meta``)
-    and counts what came back."""
+    """Requests the given URLs once each (``requests``: dicts with ``url``, optional ``meta``
+    and ``dont_filter``, True unless given) and counts what came back."""
 
     name = "url_list"
     requests: list[dict[str, Any]]
@@ -42,7 +43,8 @@ class UrlListSpider(Spider):
         if self.barrier:
             await self._wait_for_go(**self.barrier)
         for spec in self.requests:
-            yield Request(spec["url"], meta=spec.get("meta", {}), dont_filter=True,
+            yield Request(spec["url"], meta=spec.get("meta", {}),
+                          dont_filter=spec.get("dont_filter", True),
                           callback=self.parse, errback=self.failed)  # fmt: skip
             # Let the reactor run between two: while the downloader is full, Scrapy puts start()'s
             # requests into the scheduler without returning to it, and scrapy-redis's writes
@@ -67,3 +69,13 @@ class UrlListSpider(Spider):
     def failed(self, failure: Failure) -> None:
         self.crawler.stats.inc_value(f"test/failures/{failure.type.__name__}")  # type: ignore[union-attr]
         self.failure_messages.append(str(failure.value))
+
+
+class RedisUrlSpider(RedisSpider):  # type: ignore[misc]
+    """scrapy-redis's RedisSpider: takes its URLs from Redis (``redis_urls:start_urls``) in
+    batches, whenever it idles, and counts what came back."""
+
+    name = "redis_urls"
+
+    def parse(self, response: Response) -> None:
+        self.crawler.stats.inc_value("test/responses")

@@ -29,6 +29,7 @@ from scrapy_redis_throttle.server_clock import SCRIPT_EPOCH
 if TYPE_CHECKING:
     import redis
     from local_redis import RedisServer
+    from scrapy import Spider
     from scrapy.crawler import Crawler
 
 
@@ -169,13 +170,14 @@ async def run_crawl(
     settings: dict[str, Any],
     requests: list[dict[str, Any]],
     handlers: Mapping[object, Callable[..., Any]] | None = None,
+    spider: type[Spider] = UrlListSpider,
     **spider_attributes: Any,
 ) -> Crawler:
-    """Run one in-process crawl to its end and return its crawler (for its stats), with
-    *handlers* connected to their signals (the caller keeps them alive: signals hold their
+    """Run one in-process crawl of *spider* to its end and return its crawler (for its stats),
+    with *handlers* connected to their signals (the caller keeps them alive: signals hold their
     receivers weakly)."""
     runner = CrawlerRunner(settings)
-    crawler = runner.create_crawler(UrlListSpider)
+    crawler = runner.create_crawler(spider)
     for signal, handler in (handlers or {}).items():
         crawler.signals.connect(handler, signal=signal)
     await maybe_deferred_to_future(runner.crawl(crawler, requests=requests, **spider_attributes))

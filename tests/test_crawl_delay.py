@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
@@ -12,6 +13,7 @@ from local_redis import RedisServer
 from scrapy import Request, Spider, signals
 from scrapy.downloadermiddlewares.robotstxt import RobotsTxtMiddleware
 from scrapy.robotstxt import ProtegoRobotParser
+from scrapy.utils.httpobj import urlparse_cached
 from support import (
     ARRIVAL_JITTER,
     assert_paced,
@@ -211,29 +213,70 @@ async def test_the_crawl_delays_of_100000_hosts_keep_a_bounded_memory(
     assert "host0.example" not in kept["robots"], "and fetched again at its next request"
 
 
+def alternating(site: DemoSite) -> list[dict[str, Any]]:
+    return [
+        spec for pair in zip(pages(site, A, 5), pages(site, B, 5), strict=True) for spec in pair
+    ]
+
+
 @needs_robots_signal
 @async_test
 async def test_a_forgotten_crawl_delay_comes_back_with_its_robots_txt(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With room for one host's delay, two hosts whose requests alternate: each request of one
-    forgets the other's delay, whose next request fetches robots.txt again; both keep theirs."""
+    """With room for one host's delay, two hosts whose requests alternate, one at a time: each
+    robots.txt of one forgets the other's delay, whose next request fetches robots.txt again;
+    both keep theirs. (Two robots.txt parsed at once are both kept: see the next test.)"""
     monkeypatch.setattr(crawl_delay, "MAX_HOSTS", 1)
     with DemoSite(HOSTS, pages=10, robots={A: robots(0.5), B: robots(0.5)}) as site:
         crawler = await run_crawl(
-            crawl_settings(redis_server.url, ROBOTSTXT_OBEY=True, REDIS_THROTTLE_DEFAULT_RATE=None),
-            [
-                spec
-                for pair in zip(pages(site, A, 5), pages(site, B, 5), strict=True)
-                for spec in pair
-            ],
+            crawl_settings(
+                redis_server.url,
+                ROBOTSTXT_OBEY=True,
+                REDIS_THROTTLE_DEFAULT_RATE=None,
+                CONCURRENT_REQUESTS=1,
+            ),
+            alternating(site),
         )
         robots_fetches = {
             host: sum(a.path == "/robots.txt" for a in site.arrivals(host)) for host in (A, B)
         }
         times = {host: page_times(site, host) for host in (A, B)}
-    assert crawler.stats.get_value("redis_throttle/crawl_delay/forgotten") >= 1
-    assert max(robots_fetches.values()) >= 2, robots_fetches
+    assert crawler.stats.get_value("redis_throttle/crawl_delay/forgotten") >= 2
+    assert min(robots_fetches.values()) >= 2, robots_fetches
+    for host in (A, B):
+        assert len(times[host]) == 5
+        assert_paced(times[host], rate=2, burst=1, what=host)
+
+
+@needs_robots_signal
+@async_test
+async def test_a_host_whose_robots_txt_scrapy_has_not_stored_yet_is_not_forgotten(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scrapy sends robots_parsed (and waits for its handlers) before it stores the robots.txt
+    parsed: a host forgotten then would keep it stored, and never have its delay again. With
+    room for one host, A's robots.txt is held in its signal (by a handler of this test) until
+    B's is parsed: both keep their delays."""
+    monkeypatch.setattr(crawl_delay, "MAX_HOSTS", 1)
+    b_parsed = asyncio.Event()
+
+    async def hold_a_until_b(robotparser: object, request: Request) -> None:
+        if urlparse_cached(request).hostname == B:
+            b_parsed.set()
+        else:
+            await asyncio.wait_for(b_parsed.wait(), 10)
+
+    with DemoSite(HOSTS, pages=10, robots={A: robots(0.5), B: robots(0.5)}) as site:
+        crawler = await run_crawl(
+            crawl_settings(redis_server.url, ROBOTSTXT_OBEY=True, REDIS_THROTTLE_DEFAULT_RATE=None),
+            alternating(site),
+            {signals.robots_parsed: hold_a_until_b},
+        )
+        times = {host: page_times(site, host) for host in (A, B)}
+    stats = crawler.stats.get_stats()
+    assert "redis_throttle/crawl_delay/forgotten" not in stats, "A's not stored yet, B's own"
+    assert "log_count/ERROR" not in stats, "RobotsTxtMiddleware lost A's robots.txt"
     for host in (A, B):
         assert len(times[host]) == 5
         assert_paced(times[host], rate=2, burst=1, what=host)

@@ -1,0 +1,155 @@
+"""scrapy-redis's scheduler settings, with parking: each one behaves as without the throttle,
+in real crawls of a slow domain (whose requests are parked) beside a free one."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+import pytest
+from demo_site import HOSTS, DemoSite
+from local_redis import RedisServer
+from scrapy import signals
+from spiders import RedisUrlSpider
+from support import SCRAPY_REDIS, assert_paced, async_test, crawl_settings, pages, run_crawl
+
+SLOW, FREE, _ = HOSTS
+RATES = {SLOW: "2/s"}  # each request after the first waits more than REDIS_THROTTLE_MAX_HOLD
+SETTINGS = {**SCRAPY_REDIS, "REDIS_THROTTLE_MAX_HOLD": 0.2, "REDIS_THROTTLE_DEFAULT_RATE": None}
+
+
+def crawled_once(site: DemoSite, host: str, count: int) -> list[float]:
+    """The arrival times of *host*'s pages 0 to count - 1, each fetched exactly once."""
+    paths = Counter(a.path for a in site.arrivals(host))
+    assert paths == {f"/page/{n}": 1 for n in range(count)}, f"{host}: {paths}"
+    return sorted(a.time for a in site.arrivals(host))
+
+
+@async_test
+async def test_flush_on_start_empties_the_parked_requests_with_the_queue(
+    redis_server: RedisServer, site: DemoSite
+) -> None:
+    settings = crawl_settings(redis_server.url, SCHEDULER_PERSIST=True, **SETTINGS)
+    first = await run_crawl(
+        {**settings, "CLOSESPIDER_TIMEOUT": 1}, pages(site, SLOW, 4), redis_throttle_rates=RATES
+    )
+    assert first.stats.get_value("redis_throttle/parked") >= 1
+    with redis_server.client() as client:
+        parked = client.zcard("url_list:requests:parked")
+        assert parked >= 1, "kept, with SCHEDULER_PERSIST"
+    crawled_before = len(site.arrivals(SLOW))
+
+    second = await run_crawl(
+        {**settings, "SCHEDULER_FLUSH_ON_START": True}, [], redis_throttle_rates=RATES
+    )
+    assert len(site.arrivals(SLOW)) == crawled_before, "the flushed requests are not crawled"
+    assert "redis_throttle/parked_not_crawled" not in second.stats.get_stats()
+    with redis_server.client() as client:
+        assert client.keys("url_list:requests*") == [], "neither the queue nor the parked"
+
+
+@async_test
+async def test_parked_requests_wait_beside_a_queue_key_of_the_projects_own(
+    redis_server: RedisServer, site: DemoSite
+) -> None:
+    parked_keys: set[bytes] = set()
+
+    def look(*_: object) -> None:  # while the crawl runs: the parked set's name
+        with redis_server.client() as client:
+            parked_keys.update(client.keys("*parked*"))
+
+    crawler = await run_crawl(
+        crawl_settings(redis_server.url, SCHEDULER_QUEUE_KEY="shop:%(spider)s:todo", **SETTINGS),
+        pages(site, SLOW, 3) + pages(site, FREE, 10),
+        {signals.response_received: look},
+        redis_throttle_rates=RATES,
+    )
+    assert crawler.stats.get_value("redis_throttle/parked") == 2
+    assert parked_keys >= {b"shop:url_list:todo:parked"}, parked_keys
+    assert_paced(crawled_once(site, SLOW, 3), rate=2, burst=1, what=SLOW)
+    crawled_once(site, FREE, 10)
+
+
+@async_test
+async def test_parked_requests_come_back_past_scrapy_redis_dupefilter(
+    redis_server: RedisServer, site: DemoSite, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Requests that the dupefilter sees (dont_filter=False), with its own key and debug log:
+    a parked request comes back without meeting the dupefilter again; a duplicate is still
+    filtered, once."""
+    caplog.set_level(logging.DEBUG, logger="scrapy_redis")
+    requests = [{**spec, "dont_filter": False} for spec in pages(site, SLOW, 3)]
+    crawler = await run_crawl(
+        crawl_settings(
+            redis_server.url,
+            SCHEDULER_DUPEFILTER_KEY="shop:%(spider)s:seen",
+            DUPEFILTER_DEBUG=True,
+            SCHEDULER_PERSIST=True,  # (else the close empties the dupefilter)
+            **SETTINGS,
+        ),
+        [*requests, requests[1]],
+        redis_throttle_rates=RATES,
+    )
+    stats = crawler.stats.get_stats()
+    assert stats["redis_throttle/parked"] == 2
+    filtered = [r.getMessage() for r in caplog.records if "Filtered duplicate" in r.getMessage()]
+    assert filtered == [f"Filtered duplicate request: <GET {requests[1]['url']}>"]
+    assert_paced(crawled_once(site, SLOW, 3), rate=2, burst=1, what=SLOW)
+    with redis_server.client() as client:
+        assert client.scard("shop:url_list:seen") == 3
+
+
+@async_test
+async def test_parked_requests_come_back_with_a_blocking_fifo_queue(
+    redis_server: RedisServer, site: DemoSite
+) -> None:
+    """SCHEDULER_IDLE_BEFORE_CLOSE: the queue waits that long for a request when it has none
+    (a blocking pop, which blocks the reactor): not while requests are parked (held ones would
+    wake late, parked ones come back late: each is parked once, and none misses its moment)."""
+    started = time.monotonic()
+    crawler = await run_crawl(
+        crawl_settings(
+            redis_server.url,
+            SCHEDULER_QUEUE_CLASS="scrapy_redis.queue.FifoQueue",
+            SCHEDULER_IDLE_BEFORE_CLOSE=1,
+            **SETTINGS,
+        ),
+        pages(site, SLOW, 4) + pages(site, FREE, 10),
+        redis_throttle_rates=RATES,
+    )
+    took = time.monotonic() - started
+    stats = crawler.stats.get_stats()
+    assert stats["redis_throttle/parked"] == 3
+    assert "redis_throttle/missed_moments" not in stats
+    assert_paced(crawled_once(site, SLOW, 4), rate=2, burst=1, what=SLOW)
+    crawled_once(site, FREE, 10)
+    # 1.5 s for the slow domain, and at most one blocking pop of 1 s once none is parked.
+    assert took < 1.5 + 1 + 2, f"the crawl took {took:.1f} s"
+
+
+@async_test
+async def test_a_redis_spider_fed_from_redis_keeps_its_parked_requests(
+    redis_server: RedisServer, site: DemoSite
+) -> None:
+    """scrapy-redis's RedisSpider takes its URLs from Redis two at a time, whenever it idles;
+    the spider does not idle (nor close, after MAX_IDLE_TIME_BEFORE_CLOSE) while requests are
+    parked, and each is crawled once, paced."""
+    urls = [spec["url"] for spec in pages(site, SLOW, 4) + pages(site, FREE, 4)]
+    with redis_server.client() as client:
+        client.rpush("redis_urls:start_urls", *urls)
+    crawler = await run_crawl(
+        crawl_settings(
+            redis_server.url,
+            REDIS_START_URLS_BATCH_SIZE=2,
+            MAX_IDLE_TIME_BEFORE_CLOSE=1,
+            **SETTINGS,
+        ),
+        [],
+        spider=RedisUrlSpider,
+        redis_throttle_rates=RATES,
+    )
+    assert crawler.stats.get_value("test/responses") == 8
+    assert crawler.stats.get_value("redis_throttle/parked") >= 1
+    assert_paced(crawled_once(site, SLOW, 4), rate=2, burst=1, what=SLOW)
+    crawled_once(site, FREE, 4)
