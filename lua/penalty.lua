@@ -37,12 +37,27 @@ for index, limit in ipairs(limits) do
 end
 local interval, burst, retry_after, backoff, max_pause, decay = unpack(numbers)
 
+-- A time read from Redis (µs), or nil: garbage (no number, or further ahead than any pause,
+-- ~31 years, as token_bucket.lua's MAX_AHEAD) counts as none, never as an error reply.
+local function time_read(value, now)
+  local number = tonumber(value)
+  if number and number > -math.huge and number < now + 1e15 then
+    return number
+  end
+end
+-- More strikes than this no longer lengthen the pause (2^64 backoffs): bounded garbage too.
+local MAX_STRIKES = 64
+
 local time = redis.call("TIME")
 local now = (tonumber(time[1]) - 1704067200) * 1000000 + tonumber(time[2])
 
 local state = redis.call("HMGET", KEYS[2], "strikes", "until")
 local strikes = tonumber(state[1]) or 0
-local paused_until = tonumber(state[2]) or 0
+if not (strikes >= 0 and strikes <= MAX_STRIKES) then  -- (NaN fails too)
+  strikes = strikes == strikes and strikes > 0 and MAX_STRIKES or 0
+end
+strikes = math.floor(strikes)
+local paused_until = time_read(state[2], now) or 0
 local pause
 if now < paused_until then
   -- Already paused: only a longer Retry-After extends the pause; strikes stay.
@@ -52,7 +67,8 @@ if now < paused_until then
   pause = retry_after
 else
   -- One doubling undone per decay spent since the last pause ended.
-  strikes = math.max(0, strikes - math.floor((now - paused_until) / decay)) + 1
+  strikes = math.min(math.max(0, strikes - math.floor((now - paused_until) / decay)) + 1,
+    MAX_STRIKES)
   pause = retry_after
   if pause < 0 then
     pause = backoff * 2 ^ (strikes - 1)
@@ -72,12 +88,12 @@ redis.call("PEXPIRE", KEYS[2], math.ceil((pause + decay * strikes) / 1000))
 -- its rate, without a burst.
 -- A limit set live follows the bucket's time in its value (see token_bucket.lua): kept.
 local tat, live = string.match(redis.call("GET", KEYS[1]) or "", "^(%d*)(.*)$")
-tat = math.max(tonumber(tat) or 0, new_until + (burst - 1) * interval)
+tat = math.max(time_read(tat, now) or 0, new_until + (burst - 1) * interval)
 redis.call("SET", KEYS[1], string.format("%d", tat) .. live,
   unpack(live == "" and {"PX", math.max(1, math.ceil((tat - now) / 1000))} or {}))
 -- Kept for the workers that were not subscribed when it was published (see voided.lua).
 local _, voided_until = string.match(redis.call("GET", KEYS[3]) or "", "^(%d+) (%d+)$")
-voided_until = math.max(new_until, tonumber(voided_until) or 0)
+voided_until = math.max(new_until, time_read(voided_until, now) or 0)
 redis.call("SET", KEYS[3], string.format("%d %d", now, voided_until),
   "PX", math.max(1, math.ceil((voided_until - now) / 1000)))
 redis.call("PUBLISH", ARGV[7], string.format("%d", pause) .. " " .. ARGV[8])

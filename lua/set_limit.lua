@@ -41,7 +41,7 @@ for item in string.gmatch(limits ~= "" and limits .. "," or "", "([^,]*),") do
   limits_count = limits_count + 1
   valid_limits = valid_limits and count and period and count >= 1 and count < math.huge
     and period > 0 and period <= MAX_INTERVAL and limits_count <= MAX_LIMITS
-    and (algorithm == "t" or (count == math.floor(count) and period == math.floor(period)))
+    and count == math.floor(count) and (algorithm == "t" or period == math.floor(period))
     and (algorithm ~= "s" or count <= MAX_SLIDING_COUNT)
 end
 if not (action == "set" or action == "delete" or action == "pause" or action == "resume")
@@ -59,11 +59,27 @@ local state = redis.call("GET", KEYS[1]) or ""
 if #state > MAX_VALUE_BYTES then
   state = ""
 end
-local tat, live_rate, live_burst, paused, live_limits =
-  string.match(state, "^(%d*) ?(%S*) ?(%S*) ?([01]?) ?(%S*)$")
+-- "<tat>" or "<tat> <rate> <burst> <paused>[ <more limits>]" (see token_bucket.lua), else
+-- garbage. Separators required: optional ones let Lua try every split of a long token (400
+-- bytes took 27 s).
+local tat, live_rate, live_burst, paused, live_limits = string.match(state, "^(%d+)$")
+if not tat then
+  tat, live_rate, live_burst, paused, live_limits =
+    string.match(state, "^(%d+) (%S+) (%S+) ([01]) ?(%S*)$")
+end
 tat = tonumber(tat)
 if tat and not (tat < now + MAX_AHEAD) then
   tat = nil
+end
+-- Read before anything is written: a key of another type (WRONGTYPE) fails the call whole.
+local paused_until = tonumber(redis.call("HGET", KEYS[2], "until"))
+if not (paused_until and paused_until < now + MAX_AHEAD) then
+  paused_until = 0
+end
+local _, voided_until = string.match(redis.call("GET", KEYS[3]) or "", "^(%d+) (%d+)$")
+voided_until = tonumber(voided_until)
+if not (voided_until and voided_until < now + MAX_AHEAD) then
+  voided_until = 0
 end
 if not live_rate or live_rate == "" then  -- no live limit yet
   live_rate, live_burst, paused, live_limits = "-", "-", "0", ""
@@ -86,7 +102,7 @@ local void = 0
 if tat and tat > now and action ~= "resume" then
   -- Nothing is reserved while paused: a resume voids nothing.
   void = math.ceil(tat - now)
-  tat = math.max(now, tonumber(redis.call("HGET", KEYS[2], "until")) or 0)
+  tat = math.max(now, paused_until)
 end
 if live ~= "" then
   redis.call("SET", KEYS[1], string.format("%d", tat or now) .. live)
@@ -97,8 +113,7 @@ else
 end
 if void > 0 then
   -- Kept for the workers that were not subscribed when it was published (see voided.lua).
-  local _, voided_until = string.match(redis.call("GET", KEYS[3]) or "", "^(%d+) (%d+)$")
-  voided_until = math.max(now + void, tonumber(voided_until) or 0)
+  voided_until = math.max(now + void, voided_until)
   redis.call("SET", KEYS[3], string.format("%d %d", now, voided_until),
     "PX", math.ceil((voided_until - now) / 1000))
   redis.call("PUBLISH", ARGV[4], string.format("%d", void) .. " " .. ARGV[5])

@@ -46,13 +46,25 @@ if not (numbers and rate > 0 and floor > 0 and decrease > 0 and decrease < 1 and
     .. "floor > 0, 0 < decrease < 1, recovery > 0, age >= 0, hold >= 0, burst >= 1; got "
     .. table.concat(ARGV, " ", 1, math.min(#ARGV, 7)))
 end
+-- A number read from Redis, or nil: garbage (no number, not finite, or a time further ahead
+-- than any pause, ~31 years, as token_bucket.lua's MAX_AHEAD) counts as none, never as an error.
+local function number_read(value, most)
+  local number = tonumber(value)
+  if number and number > -math.huge and number < most then
+    return number
+  end
+end
 local time = redis.call("TIME")
 local now = (tonumber(time[1]) - 1704067200) * 1000000 + tonumber(time[2])
 
 -- A limit set live follows the bucket's time in its value (see token_bucket.lua): its rate, if
 -- it sets one, is the configured rate here; the value is kept.
 local tat, live = string.match(redis.call("GET", KEYS[1]) or "", "^(%d*)(.*)$")
-rate = tonumber(string.match(live, "^ (%S+)")) or rate
+tat = number_read(tat, now + 1e15)
+local live_rate = number_read(string.match(live, "^ (%S+)"), math.huge)
+if live_rate and live_rate > 0 then
+  rate = live_rate
+end
 floor = math.min(floor, rate)
 if floor == rate then
   return {0, string.format("%.17g", rate), 0, 0}
@@ -61,9 +73,12 @@ end
 local current = rate
 local was, since, slope, lowered_at = string.match(
   redis.call("GET", KEYS[2]) or "", "^(%S+) (%S+) (%S+) (%S+)$")
-if was then
-  current = math.min(rate, tonumber(was) + tonumber(slope) * math.max(0, now - tonumber(since)))
-  if now - age < tonumber(lowered_at) then
+was, since, slope = number_read(was, math.huge), number_read(since, now + 1e15),
+  number_read(slope, math.huge)
+lowered_at = number_read(lowered_at, now + 1e15)
+if was and since and slope and lowered_at then
+  current = math.min(rate, was + slope * math.max(0, now - since))
+  if now - age < lowered_at then
     return {0, string.format("%.17g", current), 0, 0}
   end
 end
@@ -78,14 +93,14 @@ redis.call("SET", KEYS[2], string.format("%.17g %d %.17g %d", lowered, now + hol
 
 -- The bucket starts again after the hold, at the new rate and without a burst (as after a
 -- pause); a bucket that is full by then expires at once.
-local void = math.max(0, math.ceil((tonumber(tat) or now) - now))
+local void = math.max(0, math.ceil((tat or now) - now))
 tat = math.ceil(now + hold + (burst - 1) * 1000000 / lowered)
 redis.call("SET", KEYS[1], string.format("%d", tat) .. live,
   unpack(live == "" and {"PX", math.max(1, math.ceil((tat - now) / 1000))} or {}))
 if void > 0 then
   -- Kept for the workers that were not subscribed when it was published (see voided.lua).
   local _, voided_until = string.match(redis.call("GET", KEYS[3]) or "", "^(%d+) (%d+)$")
-  voided_until = math.max(now + void, tonumber(voided_until) or 0)
+  voided_until = math.max(now + void, number_read(voided_until, now + 1e15) or 0)
   redis.call("SET", KEYS[3], string.format("%d %d", now, voided_until),
     "PX", math.ceil((voided_until - now) / 1000))
   redis.call("PUBLISH", ARGV[8], string.format("%d", void) .. " " .. ARGV[9])

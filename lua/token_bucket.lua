@@ -81,13 +81,14 @@ local MAX_VALUE_BYTES = 4096
 -- double), whose wait would overflow the reply's integers.
 local MAX_AHEAD = 1e15
 
--- Whether algorithm, count and period (numbers, or nil) make a limit: a window's count and
--- period are whole numbers (window n starts at n x period exactly).
+-- Whether algorithm, count and period (numbers, or nil) make a limit: a whole count (a request
+-- costs whole tokens of it: 1.5 refused a cost of 2 the workers' limits allowed), and a window's
+-- period whole too (window n starts at n x period exactly).
 local function limit_ok(algorithm, count, period)
   return (algorithm == "t" or algorithm == "f" or algorithm == "s") and count ~= nil
     and period ~= nil and count >= 1 and count < math.huge and period > 0
     and period <= MAX_INTERVAL
-    and (algorithm == "t" or (count == math.floor(count) and period == math.floor(period)))
+    and count == math.floor(count) and (algorithm == "t" or period == math.floor(period))
     and (algorithm ~= "s" or count <= MAX_SLIDING_COUNT)
 end
 
@@ -195,7 +196,11 @@ if limits and not KEYS[4] then
 end
 
 if KEYS[2] then
-  local rate, since, slope = string.match(redis.call("GET", KEYS[2]) or "", "^(%S+) (%S+) (%S+)")
+  local adaptive = redis.call("GET", KEYS[2]) or ""
+  if #adaptive > MAX_VALUE_BYTES then
+    adaptive = ""
+  end
+  local rate, since, slope = string.match(adaptive, "^(%S+) (%S+) (%S+)")
   rate, since, slope = tonumber(rate), tonumber(since), tonumber(slope)
   if rate and since and slope then
     local lowered = rate + slope * math.max(0, now - since)
@@ -225,7 +230,7 @@ if limits then
     local algorithm, count, period = limit[1], tonumber(limit[2]), tonumber(limit[3])
     if not limit_ok(algorithm, count, period) then
       return redis.error_reply("ERR redis_throttle: limit " .. index .. " must be t, f or s, a "
-        .. "count >= 1 (at most 10000 for s) and a period > 0, at most 1e14 (both whole for "
+        .. "whole count >= 1 (at most 10000 for s) and a period > 0, at most 1e14 (whole for "
         .. "windows), got "
         .. table.concat({tostring(limit[1]), tostring(limit[2]), tostring(limit[3])}, " "))
     end

@@ -34,6 +34,8 @@ from scrapy.utils.httpobj import urlparse_cached
 MAX_BYTES = 1 << 20
 MAX_DEPTH = 32
 MAX_PRIORITY = 2**53
+# Scrapy drops longer URLs by default (URLLENGTH_LIMIT, 2083).
+MAX_URL_LENGTH = 8192
 # A parked request comes back only to be downloaded from a host: never file: (this machine's
 # files) nor data: (nothing to throttle).
 SCHEMES = ("http", "https")
@@ -65,55 +67,82 @@ def encode_request(request: Request, spider: Spider) -> bytes:
 
 
 def _wire(request: Request, spider: Spider) -> dict[str, Any]:
-    """Request.to_dict(), as JSON holds it."""
+    """Request.to_dict(), as JSON holds it; built here, for to_dict(spider=...) reads every
+    attribute of the spider (properties, __getattr__) to name a callback."""
+    try:
+        return _fields(request, spider)
+    except Unparkable:
+        raise
+    except Exception as error:  # a request class or a value of the project's that misbehaves
+        raise Unparkable(f"{type(error).__name__}: {error!s:.200}") from None
+
+
+def _fields(request: Request, spider: Spider) -> dict[str, Any]:
     if urlparse_cached(request).scheme not in SCHEMES:
         raise Unparkable("its URL is not http or https")
-    try:
-        fields = request.to_dict(spider=spider)
-    except ValueError as error:  # a callback that is not a method of the spider
-        raise Unparkable(str(error)) from None
-    wire: dict[str, Any] = {}
-    for name, value in fields.items():
+    wire: dict[str, Any] = {
+        "url": request.url,
+        "callback": _method_name(spider, request.callback, "callback"),
+        "errback": _method_name(spider, request.errback, "errback"),
+        # Scrapy's Headers hold bytes: Latin-1 maps each byte to one character and back.
+        "headers": [
+            [key.decode("latin-1"), [item.decode("latin-1") for item in values]]
+            for key, values in request.headers.items()
+        ],
+    }
+    for name in request.attributes:
+        if name in wire:
+            continue
+        value = getattr(request, name)
         if name == "body":
             wire[name] = base64.b64encode(value).decode("ascii")
-        elif name == "headers":
-            # Scrapy's Headers hold bytes: Latin-1 maps each byte to one character and back.
-            wire[name] = [
-                [key.decode("latin-1"), [item.decode("latin-1") for item in values]]
-                for key, values in value.items()
-            ]
-        elif name in ("callback", "errback") and value is not None:
-            wire[name] = _method_name(spider, getattr(request, name), name)
         else:
             _check_plain(value, (name,), 0)
             wire[name] = value
+    if type(request) is not Request:
+        wire["_class"] = f"{type(request).__module__}.{type(request).__name__}"
     return wire
 
 
-def _method_name(spider: Spider, method: Any, field: str) -> str:
-    """The name under which :func:`_method` finds *method*: Request.to_dict() gives the first
-    attribute of the spider that holds it, which may be an alias set on the instance."""
+def _method_name(spider: Spider, method: Any, field: str) -> str | None:
+    """The name under which :func:`_method` finds *method* (None: no callback): its own, or
+    another its spider's class holds it under (a name the instance holds it under, an alias,
+    is not one)."""
+    if method is None:
+        return None
     function = getattr(method, "__func__", None)
-    for name, member in inspect.getmembers(type(spider), inspect.isfunction):
-        if member is function and _callable_name(name):
+    if function is None or getattr(method, "__self__", None) is not spider:
+        raise Unparkable(f"its {field} is no method of the spider")
+    names = [getattr(function, "__name__", None)]
+    names += [name for cls in type(spider).__mro__ for name in vars(cls)]
+    for name in names:
+        if isinstance(name, str) and _class_function(type(spider), name) is function:
             return name
     raise Unparkable(f"its {field} is no method of the spider's class")
 
 
-def _callable_name(name: str) -> bool:
-    """Whether a method of this name may be a request's callback: not one of Scrapy's Spider
-    (its internals, such as _set_crawler) but parse, nor a special method."""
-    return name == "parse" or not (name in vars(Spider) or name.startswith("__"))
+def _class_function(cls: type, name: str) -> Any:
+    """The plain function *name* is in *cls* or its bases (not its metaclass), if it may be a
+    request's callback: not one of Scrapy's Spider (its internals, such as _set_crawler) but
+    parse, nor a special method; else None."""
+    if name != "parse" and (name in vars(Spider) or name.startswith("__")):
+        return None
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            value = vars(klass)[name]
+            return value if inspect.isfunction(value) else None
+    return None
 
 
 def _check_plain(value: object, path: tuple[object, ...], depth: int) -> None:
-    """Refuse what JSON would not give back as it is (exact types: a str or int subclass comes
-    back as the base class, a tuple as a list). *path* says where *value* is: formatted only
+    """Refuse what JSON would not give back as it is (exact types: an int subclass comes back
+    as an int, a tuple as a list). *path* says where *value* is: formatted only
     for the message (building it for every item cost time quadratic in the nesting)."""
     if depth > MAX_DEPTH:
         raise Unparkable(f"{_where(path)} is nested deeper than {MAX_DEPTH}")
     kind = type(value)
-    if value is None or kind in (str, int, bool):
+    # A str subclass (lxml's link text, in CrawlSpider's rule requests) comes back as a str.
+    if value is None or kind in (int, bool) or isinstance(value, str):
         return
     if isinstance(value, float) and kind is float:
         if not math.isfinite(value):
@@ -123,7 +152,7 @@ def _check_plain(value: object, path: tuple[object, ...], depth: int) -> None:
             _check_plain(item, (*path, index), depth + 1)
     elif isinstance(value, dict) and kind is dict:
         for key, item in value.items():
-            if type(key) is not str:
+            if not isinstance(key, str):
                 raise Unparkable(f"{_where(path)} has a key {key!r:.50} that is not a str")
             _check_plain(item, (*path, key), depth + 1)
     else:
@@ -152,10 +181,11 @@ def decode_request(data: bytes, spider: Spider) -> Request:
     kwargs: dict[str, Any] = {}
     for name, value in fields.items():
         kwargs[name] = _FIELD_PARSERS.get(name, _plain)(name, value, spider)
-    if type(kwargs.get("url")) is not str or not kwargs["url"].startswith(
-        tuple(f"{scheme}://" for scheme in SCHEMES)
-    ):
+    url = kwargs.get("url")
+    if type(url) is not str or not url.startswith(tuple(f"{scheme}://" for scheme in SCHEMES)):
         raise ValueError("no http or https url")
+    if len(url) > MAX_URL_LENGTH:  # (IDNA takes ~1 ms per KB of a host)
+        raise ValueError(f"a url of {len(url):,} characters, more than {MAX_URL_LENGTH:,}")
     try:
         request = request_class(**kwargs)
     except Exception as error:  # a request class's constructor may raise anything
@@ -207,8 +237,8 @@ def _method(name: str, value: object, spider: Spider) -> object:
         return None
     if type(value) is not str:
         raise ValueError(f"{name} is a {type(value).__name__}, not a method name")
-    function = inspect.getattr_static(type(spider), value, None)
-    if not (inspect.isfunction(function) and _callable_name(value)):
+    function = _class_function(type(spider), value)
+    if function is None:
         raise ValueError(f"{name} {value[:100]!r} is no method of the spider")
     return MethodType(function, spider)
 

@@ -4,6 +4,7 @@ breaker, and the other domains keep their pace. Sent by a real HTTP server to re
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import json
 import logging
@@ -19,12 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import scrapy
 from demo_site import HOSTS, DemoSite
 from local_redis import RedisServer
 from scrapy import FormRequest, Request, signals
-from scrapy.http import JsonRequest
+from scrapy.http import HtmlResponse, JsonRequest
+from scrapy.linkextractors import LinkExtractor
 from scrapy.settings import Settings
+from scrapy.spiders import CrawlSpider, Rule
 from scrapy.statscollectors import MemoryStatsCollector
 from scrapy.utils.test import get_crawler
 from support import (
@@ -427,6 +431,7 @@ TEN_PER_SECOND = ["100000", "1", "1", "10000000"]  # interval µs, burst, cost, 
         b"10 - 0 z1/1000000",  # an unknown algorithm
         b"10 - 0 s0/1000000",  # a count of 0
         b"10 - 0 f1/1.5",  # a window of a fractional period
+        b"10 - 0 t1.5/1000000",  # a fractional count: a cost of 2 was refused
         b"10 - 0 s1/1e300",
         b"10 - 0 " + b",".join(b"t1/%d" % (n + 1) for n in range(10_000)),  # 10,000 quotas
     ],
@@ -488,6 +493,64 @@ def test_garbage_in_a_domains_keys_is_ignored_not_an_error(
     assert first[:2] == [1, 0], first
     assert second[0] in (1, 2), second
     assert second[1] <= 100_000, "at 10/s (the workers', or the live one with its burst 5)"
+
+
+PENALTY_ARGS = ["100000", "1", "-1", "1000000", "600000000", "60000000", "ch", "n"]
+SLOW_DOWN_ARGS = ["10", "1", "0.5", "60000000", "0", "0", "1", "ch", "n"]
+SET_LIMIT_ARGS = ["set", "5", "2", "ch", "n"]
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("b", "9" * 300),  # a bucket's time far past any moment
+        ("b", "9" * 300 + " 10 5 0"),
+        ("b", "1" * 1000 + "     x"),  # set_limit.lua's pattern took 27 s on 400 bytes of this
+        ("b:p", {"strikes": "9" * 300, "until": "1"}),
+        ("b:p", {"strikes": "nan", "until": "9" * 300}),
+        ("b:v", "1 " + "9" * 300),
+        ("b:r", "x y z w"),
+        ("b:r", "1e300 1e300 1e300 1e300"),
+    ],
+    ids=lambda value: repr(value)[:20],
+)
+@pytest.mark.parametrize("script", ["penalty.lua", "slow_down.lua", "set_limit.lua"])
+def test_garbage_read_by_the_pausing_scripts_is_ignored_not_an_error(
+    redis_server: RedisServer, script: str, key: str, value: str | dict[str, str]
+) -> None:
+    """A 429's pause, a lowered adaptive rate and the tool's limit read the domain's keys too:
+    what is not a time they wrote counts as none, and each answers (an error reply would count
+    as a failure of Redis); its integers stay in range."""
+    with redis_server.client() as client:
+        call = client.register_script(load_script(script))
+        if isinstance(value, dict):
+            client.hset(key, mapping=value)
+        else:
+            client.set(key, value)
+        if script == "penalty.lua":
+            reply = call(keys=["b", "b:p", "b:v"], args=PENALTY_ARGS)
+            assert reply == [1, 1_000_000, 1], "the first backoff's pause, published"
+        elif script == "slow_down.lua":
+            reply = call(keys=["b", "b:r", "b:v"], args=SLOW_DOWN_ARGS)
+            assert reply[:2] == [1, b"5"], "lowered from the configured 10/s"
+        else:
+            reply = call(keys=["b", "b:p", "b:v"], args=SET_LIMIT_ARGS)
+            assert reply[0] == b"5 2 0", reply
+        assert all(abs(int(n)) < 10**15 for n in reply[1:] if isinstance(n, int)), reply
+
+
+def test_the_tools_limit_is_all_or_nothing_when_a_key_has_another_type(
+    redis_server: RedisServer,
+) -> None:
+    """set_limit.lua reads every key before it writes: a void key of another type fails the
+    call whole (the live limit was written, and nothing published, before)."""
+    with redis_server.client() as client:
+        call = client.register_script(load_script("set_limit.lua"))
+        client.set("b", "91000000000000")
+        client.hset("b:v", "x", "y")
+        with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+            call(keys=["b", "b:p", "b:v"], args=SET_LIMIT_ARGS)
+        assert client.get("b") == b"91000000000000", "unchanged"
 
 
 @async_test
@@ -695,11 +758,20 @@ def parked_member(key: str, body: bytes) -> bytes:
 
 
 def as_dict(request: Request) -> dict[str, Any]:
-    return {**request.to_dict(spider=CodecSpider()), "class": type(request)}
+    """All a request holds (its callbacks as bound methods, compared by function and spider)."""
+    fields = {name: getattr(request, name) for name in request.attributes}
+    return {**fields, "headers": dict(request.headers), "class": type(request)}
 
 
-class CodecSpider(scrapy.Spider):
+class CodecSpider(scrapy.Spider, metaclass=abc.ABCMeta):
+    """A spider with a metaclass of its own (whose methods are no callbacks) and a property that
+    fails when read (the writer never reads the spider's attributes)."""
+
     name = "codec"
+
+    @property
+    def touchy(self) -> None:
+        raise RuntimeError("a property read")
 
     def parse_page(self, response: object) -> None:
         pass
@@ -770,7 +842,7 @@ def test_a_request_json_would_not_give_back_as_it_was_is_unparkable(
     ("request_", "reason"),
     [
         (Request("file:///etc/hosts"), "its URL is not http or https"),
-        (Request("http://127.0.0.2/", callback=print), "not an instance method"),
+        (Request("http://127.0.0.2/", callback=print), "its callback is no method of the spider"),
         (Request("http://127.0.0.2/", priority=2**60), "would not be read back: priority"),
         (Request("http://127.0.0.2/", flags=[404]), "would not be read back: flags"),  # type: ignore[list-item]
         (Request("http://127.0.0.2/", meta={"n": 10**5000}), "not JSON"),
@@ -785,16 +857,39 @@ def test_a_request_the_reader_would_not_give_back_is_unparkable(
         encode_request(request_, CodecSpider())
 
 
+def test_a_crawl_spiders_rule_requests_are_parked() -> None:
+    """CrawlSpider's rule requests: its _callback, and lxml's str subclass as link text (which
+    comes back as a str)."""
+
+    class Rules(CrawlSpider):
+        name = "rules"
+        rules = (Rule(LinkExtractor(), callback="parse_item", follow=True),)
+
+        def parse_item(self, response: object) -> None:
+            pass
+
+    spider = Rules()
+    body = b'<a href="/a">first link</a> <a href="/b">second</a>'
+    response = HtmlResponse("http://127.0.0.2/", body=body, encoding="utf-8")
+    requests = [r for r in spider._requests_to_follow(response) if r is not None]
+    assert len(requests) == 2
+    for request in requests:
+        back = decode_request(encode_request(request, spider), spider)
+        assert back.callback == spider._callback
+        assert back.meta == request.meta
+        assert type(back.meta["link_text"]) is str
+
+
 def test_a_callback_is_parked_under_the_name_of_its_spiders_class() -> None:
     """Request.to_dict() names the first attribute holding the method, maybe an alias set on
     the instance (which the reader refuses): the method's name in the class instead."""
     spider = CodecSpider()
     spider.a_alias = spider.parse_page  # type: ignore[attr-defined]
+    # (Request.to_dict(spider=...) names it "a_alias", the first name in alphabetical order.)
     request = Request("http://127.0.0.2/", callback=spider.a_alias)  # type: ignore[attr-defined]
-    assert request.to_dict(spider=spider)["callback"] == "a_alias"
     back = decode_request(encode_request(request, spider), spider)
     assert back.callback == spider.parse_page
-    with pytest.raises(Unparkable, match="no method of the spider's class"):
+    with pytest.raises(Unparkable, match="its callback is no method of the spider"):
         encode_request(Request("http://127.0.0.2/", callback=spider.by_class), spider)
 
 
@@ -830,6 +925,11 @@ GOOD = {"url": "http://127.0.0.2/", "callback": "parse_page", "method": "GET"}
         (json.dumps({**GOOD, "callback": "_set_crawler"}).encode(), "no method of the spider"),
         (json.dumps({**GOOD, "callback": "log"}).encode(), "no method of the spider"),
         (json.dumps({**GOOD, "callback": "start"}).encode(), "no method of the spider"),
+        (
+            json.dumps({**GOOD, "callback": "register"}).encode(),
+            "no method of the spider",
+        ),  # ABCMeta's
+        (json.dumps({**GOOD, "url": "http://a.example/" + "x" * 9000}).encode(), "more than 8,192"),
         (json.dumps({**GOOD, "meta": {"big": "x" * (1 << 20)}}).encode(), "more than 1,048,576"),
         (json.dumps({**GOOD, "evil": 1}).encode(), "unknown fields ['evil']"),
         (json.dumps({**GOOD, "_class": "this.Request"}).encode(), "no request class"),

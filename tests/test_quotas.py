@@ -261,8 +261,9 @@ def test_the_script_checks_each_limit(redis_server: RedisServer) -> None:
         for extra, message in [
             (["x", "5", "1000000"], "limit 1 must be t, f or s"),
             (["s", "0", "1000000"], "limit 1 must be t, f or s"),
-            (["f", "1.5", "1000000"], "both whole for windows"),
-            (["s", "1", "28941164.74"], "both whole for windows"),
+            (["f", "1.5", "1000000"], "whole count"),
+            (["t", "1.5", "1000000"], "whole count"),
+            (["s", "1", "28941164.74"], "whole for windows"),
             (["s", "5", "-1"], "a period > 0"),
             (["s", "5"], "got s 5 nil"),
             (["s", "10001", "1000000"], "at most 10000 for s"),
@@ -351,6 +352,7 @@ async def test_the_tool_sets_several_limits(redis_server: RedisServer) -> None:
     "args",
     [
         ["set", "1", "-", "ch", "n", "f1.5/10"],
+        ["set", "1", "-", "ch", "n", "t1.5/10"],
         ["set", "1", "-", "ch", "n", "f1/10.5"],
         ["set", "1", "-", "ch", "n", "t 5/2e5"],
         ["set", "1", "-", "ch", "n", "t1/10,x"],
