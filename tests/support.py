@@ -8,6 +8,7 @@ import functools
 import itertools
 import re
 import time
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Mapping
 from contextlib import asynccontextmanager
@@ -34,6 +35,21 @@ if TYPE_CHECKING:
 
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def parked_member(flag: bytes, key: str, body: bytes, reserved_at: float = 0.0) -> bytes:
+    """A member of the parking set, as park.lua takes them: *flag* (r: indexed by its reserved
+    moment, u: not), the throttle *key*, *reserved_at* (wall time) and *body* as the request."""
+    return b"%s%s%05d%s%016d%s" % (
+        flag,
+        uuid.uuid4().hex.encode(),
+        len(key),
+        key.encode(),
+        reserved_at * 1e6,
+        body,
+    )
+
+
 # scrapy-redis's scheduler and dupefilter, as its README sets them.
 SCRAPY_REDIS = {
     "SCHEDULER": "scrapy_redis.scheduler.Scheduler",

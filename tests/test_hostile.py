@@ -13,7 +13,6 @@ import pickle
 import re
 import sys
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +36,7 @@ from support import (
     async_test,
     crawl_settings,
     pages,
+    parked_member,
     run_crawl,
     tool,
     wait_until_async,
@@ -752,11 +752,6 @@ def nested(depth: int) -> list[Any]:
     return inner
 
 
-def parked_member(key: str, body: bytes) -> bytes:
-    """A member of the parking set as park.lua takes it: not indexed, *body* as the request."""
-    return b"u%s%05d%s%016d%s" % (uuid.uuid4().hex.encode(), len(key), key.encode(), 0, body)
-
-
 def as_dict(request: Request) -> dict[str, Any]:
     """All a request holds (its callbacks as bound methods, compared by function and spider)."""
     fields = {name: getattr(request, name) for name in request.attributes}
@@ -977,7 +972,7 @@ async def test_a_forged_parked_request_loses_none_taken_with_it(redis_server: Re
         await store.park(Request(f"http://{A}/page/{n}", callback=spider.parse_page), ticket)
     with redis_server.client() as client:
         for body in (b'{"url": "http://a.example/x", "encoding": "nope"}', b"\x80\x04junk"):
-            client.zadd("codec:parked", {parked_member(A, body): 0})
+            client.zadd("codec:parked", {parked_member(b"u", A, body): 0})
     try:
         due, _ = await store.unpark(ahead=60, limit=10)
     finally:
@@ -1001,7 +996,9 @@ async def test_forged_parked_requests_are_dropped_never_run(
         b"{" * 50_000,
     ]
     with redis_server.client() as client:
-        client.zadd("url_list:requests:parked", {parked_member(A, body): 0 for body in forged})
+        client.zadd(
+            "url_list:requests:parked", {parked_member(b"u", A, body): 0 for body in forged}
+        )
     crawler = await run_crawl(
         crawl_settings(redis_server.url, **SCRAPY_REDIS),
         [{"url": site.url(host, f"/page/{n}")} for host in (A, B) for n in range(4)],

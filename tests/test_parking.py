@@ -28,6 +28,7 @@ from support import (
     assert_paced,
     async_test,
     crawl_settings,
+    parked_member,
     redis_now_us,
     run_crawl,
     wait_until_async,
@@ -70,18 +71,6 @@ SCHEDULERS = {
 
 def requests(site: DemoSite, host: str, count: int) -> list[dict[str, Any]]:
     return [{"url": site.url(host, f"/page/{n}")} for n in range(count)]
-
-
-def member(flag: bytes, key: str, body: bytes, reserved_at: float = 0.0) -> bytes:
-    """A member of the parking set, as park.lua takes them."""
-    return b"%s%s%05d%s%016d%s" % (
-        flag,
-        uuid.uuid4().hex.encode(),
-        len(key),
-        key.encode(),
-        reserved_at * 1e6,
-        body,
-    )
 
 
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
@@ -218,7 +207,7 @@ def test_parked_requests_come_back_from_a_redis_out_of_memory(redis_server: Redi
     """unpark.lua only removes: a Redis out of memory (noeviction) still lets it run, as it
     lets scrapy-redis pop its queue, while it refuses new parks."""
     keys = ("shop:requests:parked", "shop:requests:parked:moments")
-    request, another = member(b"r", SLOW, b"request"), member(b"r", SLOW, b"another")
+    request, another = parked_member(b"r", SLOW, b"request"), parked_member(b"r", SLOW, b"another")
     with redis_server.client() as client:
         assert client.eval(load_script("park.lua"), 2, *keys, "0", request) == 1
         client.config_set("maxmemory-policy", "noeviction")
@@ -313,12 +302,12 @@ def test_a_voiding_brings_back_the_requests_parked_in_redis_with_moments_it_void
     where the last one stopped; a second worker that heard the same voiding finds nothing."""
     keys = ("shop:requests:parked", "shop:requests:parked:moments")
     heard = time.time()
-    void = [member(b"r", SLOW, b"void %d" % n, heard - 1) for n in range(5)]
+    void = [parked_member(b"r", SLOW, b"void %d" % n, heard - 1) for n in range(5)]
     kept = [
-        member(b"r", SLOW, b"reserved after the voiding", heard + 0.5),
-        member(b"r", SLOW, b"due after its end", heard - 1),
-        member(b"r", FREE, b"another key", heard - 1),
-        member(b"u", SLOW, b"not reserved", heard - 1),
+        parked_member(b"r", SLOW, b"reserved after the voiding", heard + 0.5),
+        parked_member(b"r", SLOW, b"due after its end", heard - 1),
+        parked_member(b"r", FREE, b"another key", heard - 1),
+        parked_member(b"u", SLOW, b"not reserved", heard - 1),
     ]
     delays = [10, 20, 30, 40, 50, 20, 100, 10, 10]
     with redis_server.client() as client:
@@ -353,7 +342,7 @@ def test_a_voiding_brings_back_the_requests_parked_in_redis_with_moments_it_void
             ("1", "0", b"0", "0"),
         ]
         # A park whose reply was lost is taken out (unpark.lua's ARGV[3]), even once voided.
-        lost = member(b"r", SLOW, b"reply lost", heard - 1)
+        lost = parked_member(b"r", SLOW, b"reply lost", heard - 1)
         client.eval(load_script("park.lua"), 2, *keys, "5000000", lost)
         assert voiding() == (1, 2)
         taken = client.eval(load_script("unpark.lua"), 2, *keys, "0", "1", lost)
@@ -384,7 +373,7 @@ def test_a_park_that_waited_its_turn_counts_its_delay_from_when_it_was_asked(
         def due_from(asked: float | None) -> tuple[float, float]:
             """The parked request's due less its delay, and the call's length, both from
             Redis's time before the call (µs), with ARGV[3] *asked* from that time."""
-            parked = member(b"r", SLOW, b"asked")
+            parked = parked_member(b"r", SLOW, b"asked")
             before = redis_now_us(client)
             extra = [] if asked is None else [repr(before + asked)]
             client.eval(load_script("park.lua"), 2, *keys, repr(delay_us), parked, *extra)
@@ -403,14 +392,16 @@ def test_a_park_that_waited_its_turn_counts_its_delay_from_when_it_was_asked(
         assert 0 <= due <= took, "never from later than Redis's time"
         for bad in ("nan", "inf", "x"):
             with pytest.raises(redis.ResponseError, match="asked must be a finite number"):
-                client.eval(load_script("park.lua"), 2, *keys, "0", member(b"r", SLOW, b"bad"), bad)
+                client.eval(
+                    load_script("park.lua"), 2, *keys, "0", parked_member(b"r", SLOW, b"bad"), bad
+                )
 
 
 def test_a_member_not_of_park_luas_form_is_refused() -> None:
     """Such as those of versions before the index of moments: a 16-byte id, then a pickle."""
     with pytest.raises(ValueError, match=r"not of the form park\.lua writes"):
         read_member(uuid.uuid4().bytes + b"\x80\x04serialized")
-    assert read_member(member(b"r", SLOW, b"{}")) == (b"r", SLOW, b"{}")
+    assert read_member(parked_member(b"r", SLOW, b"{}")) == (b"r", SLOW, b"{}")
 
 
 def test_tickets_read_back_from_redis_are_parsed_strictly() -> None:
