@@ -15,6 +15,7 @@ from redis.exceptions import (
     ClusterError,
     MovedError,
     NoScriptError,
+    RedisError,
     ResponseError,
     TryAgainError,
 )
@@ -257,8 +258,18 @@ class LuaScript(_Source):
                     replies.append(await connection.read_response())
                 except ResponseError as exc:
                     replies.append(exc)
-        except BaseException:
+        except Exception as exc:
             # Replies may be left unread on it: only a new connection is in a known state.
+            await connection.disconnect()
+            if isinstance(exc, RedisError):
+                raise
+            # redis-py lets some failures of its connection through unwrapped (Python 3.13: an
+            # AttributeError from writing to a transport closed by a reset): a failure of the
+            # connection all the same, never the request's.
+            raise RedisConnectionError(
+                f"the connection failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        except BaseException:  # cancelled
             await connection.disconnect()
             raise
         lost = [n for n, reply in enumerate(replies) if isinstance(reply, NoScriptError)]

@@ -113,6 +113,30 @@ async def test_a_lost_connection_fails_its_call_and_the_next_batch_reconnects(
 
 
 @async_test
+async def test_a_connection_failing_in_a_way_redis_py_does_not_wrap_is_a_connection_error(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python 3.13's asyncio raised AttributeError writing to a transport a reset had closed,
+    through redis-py unwrapped: the request that made the call failed (the breaker, which
+    hears only of Redis's errors, never did). It is a ConnectionError, and the next call gets a
+    new connection. (The failure is injected: a reset at that instant cannot be made on
+    purpose.)"""
+    async with token_bucket_script(redis_server) as script:
+        await script([KEY], script_args(LIMIT, 1))
+        connection = script._connection
+
+        async def closed_transport(*args: object, **kwargs: object) -> None:
+            raise AttributeError("'NoneType' object has no attribute '_add_writer'")
+
+        monkeypatch.setattr(connection, "send_packed_command", closed_transport)
+        with pytest.raises(redis.ConnectionError, match="AttributeError: 'NoneType'"):
+            await script([KEY], script_args(LIMIT, 1))
+        assert not connection.is_connected, "disconnected: in no known state"
+        monkeypatch.undo()
+        assert (await script([KEY], script_args(LIMIT, 1)))[0] in (1, 2), "the next call reconnects"
+
+
+@async_test
 async def test_a_cancelled_call_leaves_the_others_of_its_batch_alone(
     redis_server: RedisServer,
 ) -> None:
