@@ -43,9 +43,9 @@ from scrapy.settings import Settings  # noqa: E402
 from scrapy.statscollectors import MemoryStatsCollector  # noqa: E402
 from scrapy.utils.test import get_crawler  # noqa: E402
 
-from scrapy_redis_throttle.bucket import bucket_key  # noqa: E402
 from scrapy_redis_throttle.config import ThrottleConfig  # noqa: E402
 from scrapy_redis_throttle.connection import connect_url  # noqa: E402
+from scrapy_redis_throttle.redis_schema import bucket_key  # noqa: E402
 from scrapy_redis_throttle.resilience import ResilientBucket  # noqa: E402
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from scrapy.crawler import Crawler
     from scrapy.http import Response
 
-    from scrapy_redis_throttle.config import Limit
+    from scrapy_redis_throttle.rates import Limit
     from scrapy_redis_throttle.resilience import Grant
 
 CALLS_META = "bench_redis_calls"

@@ -26,9 +26,11 @@ sys.path.insert(0, str(ROOT / "example_project"))
 from harness import run_benchmark  # noqa: E402
 from local_redis import RedisServer  # noqa: E402
 
-from scrapy_redis_throttle.bucket import TokenBucket, bucket_key  # noqa: E402
-from scrapy_redis_throttle.config import DEFAULT_REDIS_PARAMS, Limit  # noqa: E402
+from scrapy_redis_throttle.bucket import TokenBucket  # noqa: E402
 from scrapy_redis_throttle.connection import connect_url  # noqa: E402
+from scrapy_redis_throttle.rates import Limit  # noqa: E402
+from scrapy_redis_throttle.redis_schema import bucket_key  # noqa: E402
+from scrapy_redis_throttle.redis_settings import DEFAULT_REDIS_PARAMS  # noqa: E402
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis

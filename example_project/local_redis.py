@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -22,11 +23,27 @@ MISSING_MESSAGE = (
 TLS_SUBJECT_ALT_NAME = "subjectAltName=IP:127.0.0.1,DNS:localhost"
 
 
+# Servers get ports below the kernel's ephemeral range (Linux: 32768-60999), so that no client
+# socket is given one between our choosing it and the server binding it; each test process
+# (pytest-xdist worker) chooses in a slice of its own, so that two never choose the same.
+PORTS_FROM, PORTS_BELOW = 10_000, 32_768
+PORT_SLICES = 16
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A port nothing listens on now, for a server this process starts."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = int(worker[2:]) if worker[2:].isdigit() else os.getpid()
+    size = (PORTS_BELOW - PORTS_FROM) // PORT_SLICES
+    first = PORTS_FROM + index % PORT_SLICES * size
+    for port in random.sample(range(first, first + size), size):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port in {first}-{first + size - 1}")
 
 
 def make_tls_files(directory: Path) -> None:

@@ -44,13 +44,9 @@ from scrapy.settings import Settings  # noqa: E402
 from shop.spiders.shop import ShopSpider  # noqa: E402
 
 from scrapy_redis_throttle import Limit, ThrottleConfig  # noqa: E402
-from scrapy_redis_throttle.bucket import rate_key  # noqa: E402
-from scrapy_redis_throttle.config import (  # noqa: E402
-    DEFAULT_KEY_PREFIX,
-    FIXED_WINDOW,
-    SLIDING_WINDOW,
-    TOKEN_BUCKET,
-)
+from scrapy_redis_throttle.config import DEFAULT_KEY_PREFIX  # noqa: E402
+from scrapy_redis_throttle.rates import FIXED_WINDOW, SLIDING_WINDOW, TOKEN_BUCKET  # noqa: E402
+from scrapy_redis_throttle.redis_schema import rate_key  # noqa: E402
 
 DEMO_HOSTS = [*HOSTS, OVERLOADED_HOST]
 PROGRESS_EVERY = 2.0

@@ -19,8 +19,7 @@ if not ARGV[1] or ARGV[1] == "" or not ttl or ttl < 0 or ttl ~= math.floor(ttl)
     .. "integer >= 0), got " .. table.concat(ARGV, " "))
 end
 
-local time = redis.call("TIME")
-local now = (tonumber(time[1]) - 1704067200) * 1000000 + tonumber(time[2])
+local now = server_now()
 -- Those whose time ran out leave first (each worker's entry is removed once: bounded work).
 redis.call("ZREMRANGEBYSCORE", KEYS[1], "-inf", string.format("%d", now))
 if ttl > 0 then

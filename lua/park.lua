@@ -37,8 +37,7 @@ if not length or not string.find(string.sub(member, 39 + length, 54 + length), "
   return redis.error_reply("ERR redis_throttle: not a parked request: " .. string.sub(member, 1, 64))
 end
 
-local time = redis.call("TIME")
-local now = (tonumber(time[1]) - 1704067200) * 1000000 + tonumber(time[2])
+local now = server_now()
 -- An estimate far off (a clock stepped) moves the moment by WAITED_AT_MOST at most.
 local WAITED_AT_MOST = 100000
 local from = now

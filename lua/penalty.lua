@@ -37,19 +37,10 @@ for index, limit in ipairs(limits) do
 end
 local interval, burst, retry_after, backoff, max_pause, decay = unpack(numbers)
 
--- A time read from Redis (µs), or nil: garbage (no number, or further ahead than any pause,
--- ~31 years, as token_bucket.lua's MAX_AHEAD) counts as none, never as an error reply.
-local function time_read(value, now)
-  local number = tonumber(value)
-  if number and number > -math.huge and number < now + 1e15 then
-    return number
-  end
-end
 -- More strikes than this no longer lengthen the pause (2^64 backoffs): bounded garbage too.
 local MAX_STRIKES = 64
 
-local time = redis.call("TIME")
-local now = (tonumber(time[1]) - 1704067200) * 1000000 + tonumber(time[2])
+local now = server_now()
 
 local state = redis.call("HMGET", KEYS[2], "strikes", "until")
 local strikes = tonumber(state[1]) or 0

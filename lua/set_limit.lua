@@ -21,11 +21,6 @@
 -- limits>]", "" when none), and how long the moments reserved before were to last (0 when none
 -- were voided).
 
--- As token_bucket.lua: the longest interval and period (µs), the most limits, the largest
--- count of a sliding window.
-local MAX_INTERVAL, MAX_LIMITS, MAX_SLIDING_COUNT = 1e14, 16, 10000
--- As token_bucket.lua: a longer value, or a time further ahead (µs), is garbage, taken as absent.
-local MAX_VALUE_BYTES, MAX_AHEAD = 4096, 1e15
 
 local action, rate, burst, limits = ARGV[1], ARGV[2], ARGV[3], ARGV[6] or ""
 local valid_rate = rate == "-" or (tonumber(rate) and 1000000 / tonumber(rate) > 0
@@ -52,8 +47,7 @@ if not (action == "set" or action == "delete" or action == "pause" or action == 
     .. "10000); got " .. table.concat(ARGV, " "))
 end
 
-local time = redis.call("TIME")
-local now = (tonumber(time[1]) - 1704067200) * 1000000 + tonumber(time[2])
+local now = server_now()
 
 local state = redis.call("GET", KEYS[1]) or ""
 if #state > MAX_VALUE_BYTES then
@@ -67,20 +61,11 @@ if not tat then
   tat, live_rate, live_burst, paused, live_limits =
     string.match(state, "^(%d+) (%S+) (%S+) ([01]) ?(%S*)$")
 end
-tat = tonumber(tat)
-if tat and not (tat < now + MAX_AHEAD) then
-  tat = nil
-end
+tat = time_read(tat, now)
 -- Read before anything is written: a key of another type (WRONGTYPE) fails the call whole.
-local paused_until = tonumber(redis.call("HGET", KEYS[2], "until"))
-if not (paused_until and paused_until < now + MAX_AHEAD) then
-  paused_until = 0
-end
+local paused_until = time_read(redis.call("HGET", KEYS[2], "until"), now) or 0
 local _, voided_until = string.match(redis.call("GET", KEYS[3]) or "", "^(%d+) (%d+)$")
-voided_until = tonumber(voided_until)
-if not (voided_until and voided_until < now + MAX_AHEAD) then
-  voided_until = 0
-end
+voided_until = time_read(voided_until, now) or 0
 if not live_rate or live_rate == "" then  -- no live limit yet
   live_rate, live_burst, paused, live_limits = "-", "-", "0", ""
 end

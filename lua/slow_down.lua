@@ -46,21 +46,12 @@ if not (numbers and rate > 0 and floor > 0 and decrease > 0 and decrease < 1 and
     .. "floor > 0, 0 < decrease < 1, recovery > 0, age >= 0, hold >= 0, burst >= 1; got "
     .. table.concat(ARGV, " ", 1, math.min(#ARGV, 7)))
 end
--- A number read from Redis, or nil: garbage (no number, not finite, or a time further ahead
--- than any pause, ~31 years, as token_bucket.lua's MAX_AHEAD) counts as none, never as an error.
-local function number_read(value, most)
-  local number = tonumber(value)
-  if number and number > -math.huge and number < most then
-    return number
-  end
-end
-local time = redis.call("TIME")
-local now = (tonumber(time[1]) - 1704067200) * 1000000 + tonumber(time[2])
+local now = server_now()
 
 -- A limit set live follows the bucket's time in its value (see token_bucket.lua): its rate, if
 -- it sets one, is the configured rate here; the value is kept.
 local tat, live = string.match(redis.call("GET", KEYS[1]) or "", "^(%d*)(.*)$")
-tat = number_read(tat, now + 1e15)
+tat = time_read(tat, now)
 local live_rate = number_read(string.match(live, "^ (%S+)"), math.huge)
 if live_rate and live_rate > 0 then
   rate = live_rate
@@ -73,9 +64,9 @@ end
 local current = rate
 local was, since, slope, lowered_at = string.match(
   redis.call("GET", KEYS[2]) or "", "^(%S+) (%S+) (%S+) (%S+)$")
-was, since, slope = number_read(was, math.huge), number_read(since, now + 1e15),
+was, since, slope = number_read(was, math.huge), time_read(since, now),
   number_read(slope, math.huge)
-lowered_at = number_read(lowered_at, now + 1e15)
+lowered_at = time_read(lowered_at, now)
 if was and since and slope and lowered_at then
   current = math.min(rate, was + slope * math.max(0, now - since))
   if now - age < lowered_at then
@@ -100,7 +91,7 @@ redis.call("SET", KEYS[1], string.format("%d", tat) .. live,
 if void > 0 then
   -- Kept for the workers that were not subscribed when it was published (see voided.lua).
   local _, voided_until = string.match(redis.call("GET", KEYS[3]) or "", "^(%d+) (%d+)$")
-  voided_until = math.max(now + void, number_read(voided_until, now + 1e15) or 0)
+  voided_until = math.max(now + void, time_read(voided_until, now) or 0)
   redis.call("SET", KEYS[3], string.format("%d %d", now, voided_until),
     "PX", math.ceil((voided_until - now) / 1000))
   redis.call("PUBLISH", ARGV[8], string.format("%d", void) .. " " .. ARGV[9])

@@ -59,27 +59,14 @@ local function number_arg(index, name, minimum, inclusive, default)
   return number
 end
 
--- The longest interval (µs per token) and period, about 3 years: past what config.py takes (at
--- most 1/365d), and every moment stays an exact integer of a double.
-local MAX_INTERVAL = 1e14
--- Bounds on the work of a call (config.py and set_limit.lua refuse more): the most limits a
--- call takes (of those set live, the first so many are read)...
-local MAX_LIMITS = 16
--- ...a sliding window's count (its log holds a member per request of the window, and a request
--- adds one per unit of its cost, at most the count)...
-local MAX_SLIDING_COUNT = 10000
--- ...and how many fixed windows after the current one hold reservations: a request due later
--- reserves nothing (it asks again), so a window's state holds at most MAX_WINDOWS_AHEAD + 1.
+-- Bounds on the work of a call (rates.py and set_limit.lua refuse more), with the prelude's
+-- MAX_LIMITS and MAX_SLIDING_COUNT (a request adds one member to the log per unit of its cost,
+-- at most the count): how many fixed windows after the current one hold reservations: a request
+-- due later reserves nothing (it asks again), so a window's state holds at most
+-- MAX_WINDOWS_AHEAD + 1.
 local MAX_WINDOWS_AHEAD = 64
 -- Members of the log added by one ZADD (Lua's stack holds a few thousand arguments).
 local ZADD_BATCH = 1000
--- What a call reads from Redis is bounded too: a value longer than this (the bucket's with a
--- live limit, a fixed window's state) is not one the scripts wrote, and is taken as absent
--- (Lua's patterns take time quadratic in the length of some garbage)...
-local MAX_VALUE_BYTES = 4096
--- ...and so is a moment further ahead than this (µs, ~31 years: past any pause, and exact in a
--- double), whose wait would overflow the reply's integers.
-local MAX_AHEAD = 1e15
 
 -- Whether algorithm, count and period (numbers, or nil) make a limit: a whole count (a request
 -- costs whole tokens of it: 1.5 refused a cost of 2 the workers' limits allowed), and a window's
@@ -115,8 +102,7 @@ end
 
 -- Server time, so that workers on machines with skewed clocks agree. Counted in microseconds
 -- from 2024-01-01 to keep the numbers small enough for sub-microsecond precision in doubles.
-local time = redis.call("TIME")
-local now = (tonumber(time[1]) - 1704067200) * 1000000 + tonumber(time[2])
+local now = server_now()
 
 -- The state is an integer (microseconds), which Redis keeps inside the key's value object, with
 -- no string to allocate: as little memory per domain as any key with an expiry can take

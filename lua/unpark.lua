@@ -28,8 +28,7 @@ if limit == nil or limit < 1 or limit ~= math.floor(limit) then
     .. tostring(ARGV[2]))
 end
 
-local time = redis.call("TIME")
-local now = (tonumber(time[1]) - 1704067200) * 1000000 + tonumber(time[2])
+local now = server_now()
 local due
 if ARGV[3] then
   -- Also under the name void_parked.lua gives it, if a voiding came first.

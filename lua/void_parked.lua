@@ -33,8 +33,7 @@ if key == "" or #key > 99999 or not until_us or until_us ~= until_us or until_us
 end
 before = string.rep("0", 16 - #before) .. before
 
-local time = redis.call("TIME")
-local now = (tonumber(time[1]) - 1704067200) * 1000000 + tonumber(time[2])
+local now = server_now()
 local entries = redis.call("ZRANGEBYLEX", KEYS[2], after ~= "" and "(" .. after or "[" .. prefix,
   "[" .. prefix .. string.format("%017.0f", now + until_us) .. "\255", "LIMIT", 0, limit)
 local released = 0

@@ -19,8 +19,7 @@ voided_at, voided_until = tonumber(voided_at), tonumber(voided_until)
 if not voided_at or not voided_until then
   return {}  -- none, or not ours: nothing to read
 end
-local time = redis.call("TIME")
-local now = (tonumber(time[1]) - 1704067200) * 1000000 + tonumber(time[2])
+local now = server_now()
 if voided_until <= now then
   return {}
 end

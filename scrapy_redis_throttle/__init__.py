@@ -2,8 +2,10 @@
 
 from .addon import Addon
 from .bucket import AcquireResult, TokenBucket
-from .config import InvalidThrottleMeta, Limit, ThrottleConfig, ThrottleConfigError
+from .config import ThrottleConfig
+from .errors import InvalidThrottleMeta, ThrottleConfigError
 from .middleware import RedisThrottleMiddleware
+from .rates import Limit
 from .scheduler import RedisThrottleScheduler, ThrottleScheduler
 
 __all__ = [

@@ -38,6 +38,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .config import STATS_PREFIX
+from .redis_schema import fleet_key, parked_counts_key, report_key
 from .resilience import sleep
 from .scripts import lua_script
 
@@ -76,21 +77,6 @@ FLEET_INTERVAL = 5.0
 FIRST_COUNT_DELAY = 0.25
 
 
-def report_pattern(prefix: str) -> str:
-    """Matches the key of every worker's report (for SCAN)."""
-    return f"{prefix}:worker:*"
-
-
-def fleet_key(prefix: str) -> str:
-    """The sorted set of the fleet's live workers."""
-    return f"{prefix}:fleet"
-
-
-def parked_key(prefix: str) -> str:
-    """The hash of the fleet's parked requests per throttle key."""
-    return f"{prefix}:parked"
-
-
 class Activity:
     """This worker's requests per throttle key, reported to Redis every *interval* seconds
     (0: never, and nothing is counted), and its place in the fleet."""
@@ -107,8 +93,8 @@ class Activity:
         self._interval = interval
         self._stats = stats
         self._worker = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self._key = report_pattern(prefix).replace("*", self._worker)
-        self._parked_key = parked_key(prefix)
+        self._key = report_key(prefix, self._worker)
+        self._parked_key = parked_counts_key(prefix)
         self._fleet_key = fleet_key(prefix)
         self._period = interval or FLEET_INTERVAL
         # The fleet's sizes Redis gave (monotonic time, size), over a worker's lifetime in it.

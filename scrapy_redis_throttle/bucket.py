@@ -3,20 +3,32 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import re
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from redis.crc import key_slot
 
-from .config import Adaptive, Backoff, Limit, Quota
 from .connection import ClusterClient
+from .rates import Limit, Quota
+from .redis_schema import (
+    LOG_SUFFIX,
+    PROBE_KEY_TAG,
+    PROBE_SUFFIX,
+    QUOTA_SUFFIX,
+    RATE_SUFFIX,
+    bucket_key,
+    penalty_channel,
+    penalty_key,
+    rate_key,
+    tagged_key,
+    void_key,
+)
 from .scripts import lua_script
 from .server_clock import ServerClock
 
 if TYPE_CHECKING:
+    from .config import Adaptive, Backoff
     from .connection import ThrottleRedis
 
 
@@ -79,66 +91,6 @@ QUOTA_KEYS_NEEDED = 4
 LIVE_QUOTAS_KEPT = 10_000
 
 
-# Host names and simple meta keys appear as they are in Redis keys (readable in redis-cli).
-_PLAIN_KEY = re.compile(r"[a-z0-9._:-]{1,200}")
-
-
-def key_tag(domain: str) -> str:
-    """The part of a Redis key that names *domain*.
-
-    Domains and meta keys come from crawled URLs and code, so they are untrusted: anything but a
-    plain name of at most 200 characters (lowercase letters, digits, ``.``, ``_``, ``:``, ``-``)
-    is replaced by ``#`` and its SHA-256. No two domains share a tag (``#`` is not in the plain
-    alphabet), the tag cannot end the hash tag early (no braces), and its length is bounded.
-    """
-    if _PLAIN_KEY.fullmatch(domain):
-        return domain
-    return "#" + hashlib.sha256(domain.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def bucket_key(prefix: str, domain: str) -> str:
-    """The domain's bucket key. The braces are a Redis Cluster hash tag, so all the keys of one
-    domain land in one slot."""
-    return tagged_key(prefix, key_tag(domain))
-
-
-# The domain's other keys: its bucket key with a suffix, in the same Cluster slot.
-PENALTY_SUFFIX = ":penalty"
-RATE_SUFFIX = ":rate"
-QUOTA_SUFFIX = ":quota"
-LOG_SUFFIX = ":log"
-PROBE_SUFFIX = ":probe"
-VOID_SUFFIX = ":void"
-
-
-def penalty_key(prefix: str, domain: str) -> str:
-    """The domain's penalty state (see ``lua/penalty.lua``)."""
-    return bucket_key(prefix, domain) + PENALTY_SUFFIX
-
-
-def rate_key(prefix: str, domain: str) -> str:
-    """The domain's adaptive rate (see ``lua/slow_down.lua``)."""
-    return bucket_key(prefix, domain) + RATE_SUFFIX
-
-
-def void_key(prefix: str, domain: str) -> str:
-    """When the domain's reserved moments were last voided (see ``lua/voided.lua``)."""
-    return bucket_key(prefix, domain) + VOID_SUFFIX
-
-
-def penalty_channel(prefix: str) -> str:
-    """Where pauses are published, for every worker of the fleet."""
-    return f"{prefix}:penalties"
-
-
-def tagged_key(prefix: str, tag: str) -> str:
-    """The bucket key of the domain whose :func:`key_tag` is *tag*."""
-    # No suffix: every byte of a key name is paid once per domain (a ":bucket" suffix cost 16
-    # bytes of Redis memory per domain, 165 instead of 149 at 100,000: bench/scale.py). The
-    # domain's other keys add one (":penalty", ":rate"): the bucket's alone ends with its tag.
-    return f"{prefix}:{{{tag}}}"
-
-
 def script_args(limit: Limit, cost: float, reserve: float = 0, busy_for: float = 0) -> list[bytes]:
     """ARGV of ``token_bucket.lua``. ``busy_for`` is sent only when it is not 0 (the script's
     default) or quotas follow: every argument costs client CPU on every request."""
@@ -194,10 +146,6 @@ class SlowDown:
     void: float
     """When lowered: seconds the moments reserved before lasted; the requests holding them
     must ask again (the decrease is published like a pause this long)."""
-
-
-# The probe's own bucket: "#" and something other than a SHA-256 is no domain's tag.
-_PROBE_KEY_TAG = "#probe"
 
 
 class TokenBucket:
@@ -339,7 +287,7 @@ class TokenBucket:
         bucket is in that domain's Cluster slot: on the primary its calls go to."""
         probe = Limit(rate=1e6, burst=1, text="probe")
         key = (
-            tagged_key(self._key_prefix, _PROBE_KEY_TAG)
+            tagged_key(self._key_prefix, PROBE_KEY_TAG)
             if domain is None
             else bucket_key(self._key_prefix, domain) + PROBE_SUFFIX
         )

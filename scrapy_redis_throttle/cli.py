@@ -19,21 +19,12 @@ from redis.exceptions import RedisClusterException
 from scrapy.utils.conf import closest_scrapy_cfg
 from scrapy.utils.project import get_project_settings
 
-from .config import (
-    ALGORITHM_CODES,
-    SPIDER_ATTRIBUTE,
-    TOKEN_BUCKET,
-    Limit,
-    Quota,
-    ThrottleConfig,
-    ThrottleConfigError,
-    format_rate,
-    normalize_key,
-    parse_burst,
-    parse_limit,
-)
+from .config import SPIDER_ATTRIBUTE, ThrottleConfig
 from .connection import connect_sync
 from .control import LiveControl
+from .errors import ThrottleConfigError
+from .rates import TOKEN_BUCKET, Limit, Quota, format_rate, normalize_key, parse_burst, parse_limit
+from .redis_schema import ALGORITHM_CODES
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -13,20 +13,23 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .activity import parked_key, report_pattern
-from .bucket import (
+from .rates import TOKEN_BUCKET, Quota, format_rate
+from .redis_schema import (
+    ALGORITHM_CODES,
     PENALTY_SUFFIX,
     RATE_SUFFIX,
     bucket_key,
     key_tag,
+    live_key,
+    parked_counts_key,
     penalty_channel,
     penalty_key,
+    report_pattern,
+    server_micros,
     tagged_key,
     void_key,
 )
-from .config import ALGORITHM_CODES, TOKEN_BUCKET, Quota, format_rate
 from .scripts import load_script
-from .server_clock import SCRIPT_EPOCH
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -127,10 +130,6 @@ class LiveControl:
         """Values read from Redis that could not be (another version's, or written by hand):
         each one was taken as absent. At most PROBLEMS_KEPT."""
 
-    @property
-    def _index(self) -> str:
-        return f"{self._prefix}:live"
-
     def set(
         self, domain: str, rate: float | None, burst: int | None, quotas: tuple[Quota, ...] = ()
     ) -> Change:
@@ -173,14 +172,14 @@ class LiveControl:
         )
         limit = LiveLimit.parse(_text(live))
         if limit is None:
-            self._client.srem(self._index, domain)
+            self._client.srem(live_key(self._prefix), domain)
         else:
-            self._client.sadd(self._index, domain)
+            self._client.sadd(live_key(self._prefix), domain)
         return Change(limit, voided_us / 1e6)
 
     def live_limits(self) -> dict[str, LiveLimit]:
         """Every domain with a limit set live."""
-        domains = sorted(_text(member) for member in self._client.smembers(self._index))
+        domains = sorted(_text(member) for member in self._client.smembers(live_key(self._prefix)))
         states = self.states([key_tag(domain) for domain in domains])
         return {
             domain: state.live
@@ -207,7 +206,7 @@ class LiveControl:
         :mod:`.activity`)."""
         reports = list(self._client.scan_iter(report_pattern(self._prefix), count=SCAN_COUNT))
         pipeline = self._client.pipeline(transaction=False)
-        pipeline.hgetall(parked_key(self._prefix))
+        pipeline.hgetall(parked_counts_key(self._prefix))
         for report in reports:
             pipeline.get(report)
         parked, *replies = pipeline.execute()
@@ -241,7 +240,7 @@ class LiveControl:
         """The state of each domain (by its :func:`.bucket.key_tag`), read in one pipeline
         (after Redis's time: a cluster's pipelines do not take TIME)."""
         seconds, micros = self._client.time()
-        now = (seconds - SCRIPT_EPOCH) * 1_000_000 + micros
+        now = server_micros(seconds, micros)
         pipeline = self._client.pipeline(transaction=False)
         for tag in tags:
             key = tagged_key(self._prefix, tag)

@@ -24,7 +24,8 @@ from scrapy.downloadermiddlewares.robotstxt import RobotsTxtMiddleware
 from scrapy.utils.httpobj import urlparse_cached
 from twisted.internet.defer import Deferred
 
-from .config import Limit, normalize_key
+from .config import STATS_PREFIX
+from .rates import Limit, normalize_key
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-STATS_PREFIX = "redis_throttle/crawl_delay"
 # The shortest Crawl-delay (seconds): a shorter one asks for no less (down to 5e-324, whose rate
 # would be infinite).
 MIN_CRAWL_DELAY = 0.001
@@ -96,10 +96,9 @@ class CrawlDelays:
         # RobotsTxtMiddleware's robots.txt per netloc (looked for at the first host to forget).
         self._robots: dict[str, object] | None = None
         self._robots_looked_for = False
-        settings = crawler.settings
-        self._user_agent: str = settings.get("ROBOTSTXT_USER_AGENT") or ""
-        self._default_user_agent: str = settings.get("USER_AGENT") or ""
-        self.active = config.crawl_delay and settings.getbool("ROBOTSTXT_OBEY")
+        self._user_agent = config.crawl.robotstxt_user_agent
+        self._default_user_agent = config.crawl.user_agent
+        self.active = config.crawl_delay and config.crawl.robotstxt_obey
         # Scrapy 2.18 added the signal, and RobotParser.crawl_delay().
         self._signal = getattr(signals, "robots_parsed", None)
         if self.active and self._signal is not None:
@@ -144,7 +143,7 @@ class CrawlDelays:
             return
         stats = self._crawler.stats
         if delay > self._config.max_crawl_delay:
-            stats.inc_value(f"{STATS_PREFIX}/capped")
+            stats.inc_value(f"{STATS_PREFIX}/crawl_delay/capped")
             logger.warning(
                 "Redis throttle: robots.txt of %r asks for a Crawl-delay of %g s; honouring "
                 "%g s (REDIS_THROTTLE_MAX_CRAWL_DELAY)",
@@ -163,7 +162,7 @@ class CrawlDelays:
         configured = self._config.limits.lookup(host)
         limit = with_crawl_delay(configured, delay)
         self._keep(host, limit, netlocs)
-        stats.inc_value(f"{STATS_PREFIX}/applied")
+        stats.inc_value(f"{STATS_PREFIX}/crawl_delay/applied")
         logger.info(
             "Redis throttle: honouring the Crawl-delay of %g s in the robots.txt of %r: its "
             "limit is now %s (configured: %s)",
@@ -193,7 +192,7 @@ class CrawlDelays:
             del self._limits[oldest]
             for netloc in oldest_netlocs:
                 self._robots.pop(netloc, None)
-            self._crawler.stats.inc_value(f"{STATS_PREFIX}/forgotten")
+            self._crawler.stats.inc_value(f"{STATS_PREFIX}/crawl_delay/forgotten")
             logger.debug(
                 "Redis throttle: forgot the Crawl-delay of %r (more than %d hosts); its next "
                 "request fetches its robots.txt again",

@@ -43,20 +43,15 @@ from twisted.internet.error import TCPTimedOutError
 from twisted.internet.error import TimeoutError as TwistedTimeoutError
 
 from .activity import Activity
-from .bucket import penalty_channel
-from .config import (
-    STATS_PREFIX,
-    InvalidThrottleMeta,
-    ThrottleConfig,
-    ThrottleConfigError,
-    format_rate,
-    normalize_key,
-)
+from .config import STATS_PREFIX, ThrottleConfig
 from .connection import close, connect
 from .crawl_delay import CrawlDelays
+from .errors import InvalidThrottleMeta, ThrottleConfigError
 from .gc_freeze import freeze_startup_objects
 from .parking import TICKET_META, ParkingArea, attach, engine_scheduler
 from .penalties import Pauses, parse_retry_after
+from .rates import format_rate, normalize_key
+from .redis_schema import penalty_channel
 from .rejections import Rejections
 from .resilience import ResilientBucket
 from .startup import describe_setup, setup_warnings
@@ -68,7 +63,7 @@ if TYPE_CHECKING:
     from scrapy.http import Response
     from typing_extensions import Self
 
-    from .config import Limit
+    from .rates import Limit
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +82,7 @@ class RedisThrottleMiddleware:
             raise ThrottleConfigError(
                 "scrapy-redis-throttle needs the asyncio reactor: set TWISTED_REACTOR = "
                 "'twisted.internet.asyncioreactor.AsyncioSelectorReactor' (Scrapy's default), "
-                f"got {crawler.settings.get('TWISTED_REACTOR')!r}"
+                f"got {self.config.crawl.twisted_reactor!r}"
             )
         self.crawler = crawler
         self.stats = crawler.stats
@@ -138,7 +133,7 @@ class RedisThrottleMiddleware:
         await self.activity.start()
         for line in describe_setup(self):
             logger.info("Redis throttle: %s", line, extra={"spider": spider})
-        for warning in setup_warnings(self.crawler, self.config):
+        for warning in setup_warnings(self.config):
             logger.warning("Redis throttle: %s", warning, extra={"spider": spider})
         if self.config.gc_freeze:
             # Last, once the whole crawler is built: its objects are frozen too.
@@ -162,7 +157,7 @@ class RedisThrottleMiddleware:
             )
             return
         try:
-            self.parking = attach(self.crawler, scheduler, self.rejections)
+            self.parking = attach(self.crawler, self.config.crawl, scheduler, self.rejections)
         except Exception:
             # Without parking the throttle still works: the rest of the start must happen.
             logger.exception(

@@ -45,9 +45,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from scrapy.utils.defer import deferred_from_coro, maybe_deferred_to_future
 from scrapy_redis.scheduler import Scheduler as ScrapyRedisScheduler
 
-from .config import STATS_PREFIX, queue_redis_connection
+from .config import STATS_PREFIX
 from .connection import connect_url
 from .penalties import CLOCK_MARGIN
+from .redis_schema import moments_key, parking_key
 from .request_codec import Unparkable, decode_request, encode_request
 from .scripts import lua_script
 from .server_clock import ServerClock
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
     from scrapy.crawler import Crawler
     from twisted.internet.defer import Deferred
 
+    from .config import CrawlSettings
     from .rejections import Rejections
 
 logger = logging.getLogger(__name__)
@@ -417,11 +419,6 @@ class RedisParking:
             await self._redis.aclose(close_connection_pool=True)
 
 
-def moments_key(key: str) -> str:
-    """The index of the reserved moments of the requests parked in *key* (see park.lua)."""
-    return f"{key}:moments"
-
-
 def _indexed_key(key: str) -> bytes:
     """*key* as the index of moments has it (see park.lua): b"" for a key (from meta) too long
     to index, whose requests wait for their moments to learn of a voiding."""
@@ -452,7 +449,7 @@ class ParkingArea:
     scheduler's own; the spider stays open while any are parked. At the close, what is parked
     is kept when *keep* (else dropped and counted)."""
 
-    def __init__(self, crawler: Crawler, store: ParkingStore, keep: bool) -> None:
+    def __init__(self, crawler: Crawler, store: ParkingStore, keep: bool, concurrency: int) -> None:
         self.store = store
         self._crawler = crawler
         self._keep = keep
@@ -473,7 +470,7 @@ class ParkingArea:
         self._void_failing = False
         # Voidings not yet passed on to the store: throttle key -> (heard, until).
         self._voidings: dict[str, tuple[float, float]] = {}
-        self._concurrency = crawler.settings.getint("CONCURRENT_REQUESTS")
+        self._concurrency = concurrency
         self._releaser = asyncio.ensure_future(self._release_loop())
 
     def voided(self, key: str, heard: float, until: float) -> None:
@@ -737,12 +734,9 @@ def engine_scheduler(crawler: Crawler) -> BaseScheduler | None:
     return scheduler
 
 
-def parked_key(scheduler: ScrapyRedisScheduler, spider: Spider) -> str:
-    """Where scrapy-redis's scheduler's parked requests wait: beside its queue."""
-    return f"{scheduler.queue_key % {'spider': spider.name}}:parked"
-
-
-def attach(crawler: Crawler, scheduler: BaseScheduler, rejections: Rejections) -> ParkingArea:
+def attach(
+    crawler: Crawler, crawl: CrawlSettings, scheduler: BaseScheduler, rejections: Rejections
+) -> ParkingArea:
     """Attach a parking area to the engine's *scheduler*, whatever its class: its
     ``enqueue_request``, ``next_request``, ``has_pending_requests`` and ``close`` are wrapped
     on this instance (the engine calls them there), so that parked requests are taken before
@@ -753,15 +747,17 @@ def attach(crawler: Crawler, scheduler: BaseScheduler, rejections: Rejections) -
     if isinstance(scheduler, ScrapyRedisScheduler):
         # In scrapy-redis's Redis, with the queue (not in the throttle's, which may be another):
         # parked requests are part of the queue and share its fate.
-        key = parked_key(scheduler, spider)
+        key = parking_key(scheduler.queue_key % {"spider": spider.name})
         if scheduler.flush_on_start:
             scheduler.server.delete(key, moments_key(key))
-        url, params = queue_redis_connection(crawler.settings)
+        url, params = crawl.queue_redis
         store = RedisParking(connect_url(url, params, PARKING_CONNECTIONS), key, spider, rejections)
         # Known from the start, so that the spider neither closes nor idles on a guess (read
         # synchronously, as scrapy-redis itself reads its queue's length at start).
         store.parked = int(scheduler.server.zcard(key))
-        area = ParkingArea(crawler, store, keep=bool(scheduler.persist))
+        area = ParkingArea(
+            crawler, store, keep=bool(scheduler.persist), concurrency=crawl.concurrent_requests
+        )
     else:
         enqueue = scheduler.enqueue_request
         # Scrapy's scheduler with JOBDIR keeps its queue on disk: parked requests join it.
@@ -771,7 +767,9 @@ def attach(crawler: Crawler, scheduler: BaseScheduler, rejections: Rejections) -
             # Its URL is already in the dupefilter's requests.seen: let it through once more.
             enqueue(request.replace(dont_filter=True))
 
-        area = ParkingArea(crawler, MemoryParking(keep_into), keep=on_disk)
+        area = ParkingArea(
+            crawler, MemoryParking(keep_into), keep=on_disk, concurrency=crawl.concurrent_requests
+        )
     _wrap(scheduler, area)
     return area
 

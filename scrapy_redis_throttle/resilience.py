@@ -49,8 +49,9 @@ if TYPE_CHECKING:
     from scrapy.statscollectors import StatsCollector
 
     from .bucket import Penalty, SlowDown, Voiding
-    from .config import Limit, ThrottleConfig
+    from .config import ThrottleConfig
     from .connection import ThrottleRedis
+    from .rates import Limit
     from .server_clock import ServerClock
 
 logger = logging.getLogger(__name__)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 from importlib import resources
 from pathlib import Path
@@ -23,6 +24,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .connection import ClusterClient
+from .rates import MAX_LIMITS, MAX_SLIDING_COUNT
+from .redis_schema import EPOCH
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -33,8 +36,8 @@ if TYPE_CHECKING:
     from .connection import ThrottleRedis
 
 
-def load_script(name: str) -> str:
-    """Return the source of ``lua/<name>``.
+def read_lua(name: str) -> str:
+    """Return the text of ``lua/<name>``.
 
     Installed wheels carry the scripts inside the package; a source checkout has them in the
     top-level ``lua/`` folder.
@@ -43,6 +46,19 @@ def load_script(name: str) -> str:
     if packaged.is_file():
         return packaged.read_text(encoding="utf-8")
     return (Path(__file__).resolve().parent.parent / "lua" / name).read_text(encoding="utf-8")
+
+
+@functools.cache
+def load_script(name: str) -> str:
+    """The script Redis runs: ``lua/<name>`` with what the scripts share put after its first
+    line (the shebang, which Redis wants first): the values Python owns, then
+    ``lua/prelude.lua``."""
+    shebang, _, body = read_lua(name).partition("\n")
+    owned = (
+        f"local EPOCH = {EPOCH}\n"
+        f"local MAX_LIMITS, MAX_SLIDING_COUNT = {MAX_LIMITS}, {MAX_SLIDING_COUNT}\n"
+    )
+    return f"{shebang}\n{owned}{read_lua('prelude.lua')}{body}"
 
 
 _Call = tuple["Sequence[str]", "Sequence[Any]", "asyncio.Future[Any]"]

@@ -12,13 +12,12 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
+from .redis_schema import server_micros
+
 if TYPE_CHECKING:
     from redis.asyncio import Redis
     from redis.asyncio.cluster import RedisCluster
 
-# The scripts count Redis's time in µs from this epoch (2024-01-01), to keep the numbers small
-# enough for sub-µs precision in doubles (see lua/token_bucket.lua).
-SCRIPT_EPOCH = 1704067200
 # How many times to read Redis's TIME before the first replies: the narrowest bounds of a few
 # round trips at start-up, when a process is busy, are fair first bounds.
 FIRST_READS = 3
@@ -79,7 +78,7 @@ class ServerClock:
         for _ in range(reads):
             sent = loop.time()
             seconds, micros = await client.time()
-            self.decided_at(sent, loop.time(), (seconds - SCRIPT_EPOCH) * 1e6 + micros)
+            self.decided_at(sent, loop.time(), server_micros(seconds, micros))
 
     def decided_at(self, sent: float, read: float, server_us: float) -> float:
         """When Redis decided (by the loop's clock) a reply to a call *sent*, read at *read*

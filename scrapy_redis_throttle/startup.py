@@ -5,12 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .config import CrawlSettings, format_rate
 from .parking import RedisParking
+from .rates import format_rate
 
 if TYPE_CHECKING:
-    from scrapy.crawler import Crawler
-
     from .config import ThrottleConfig
     from .middleware import RedisThrottleMiddleware
 
@@ -50,10 +48,10 @@ def describe_setup(middleware: RedisThrottleMiddleware) -> list[str]:
     return lines
 
 
-def setup_warnings(crawler: Crawler, config: ThrottleConfig) -> list[str]:
+def setup_warnings(config: ThrottleConfig) -> list[str]:
     """Scrapy's per-process politeness settings that fight the shared budget, each with the
     setting to change."""
-    scrapy = CrawlSettings.from_settings(crawler.settings)
+    scrapy = config.crawl
     warnings = []
     if scrapy.download_delay > 0:
         warnings.append(

@@ -20,8 +20,9 @@ if TYPE_CHECKING:
     from scrapy.statscollectors import StatsCollector
 
     from .activity import Activity
-    from .config import Limit, ThrottleConfig
+    from .config import ThrottleConfig
     from .penalties import Pauses
+    from .rates import Limit
     from .resilience import Grant, ResilientBucket
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from spiders import BASE_SETTINGS, UrlListSpider
 from twisted.internet.defer import Deferred
 
 from scrapy_redis_throttle.bucket import TokenBucket
-from scrapy_redis_throttle.server_clock import SCRIPT_EPOCH
+from scrapy_redis_throttle.redis_schema import EPOCH
 
 if TYPE_CHECKING:
     import redis
@@ -76,7 +76,7 @@ def documented_cluster_rights() -> list[str]:
 def redis_now_us(client: redis.Redis) -> int:
     """Redis's time as the scripts count it."""
     seconds, micros = client.time()
-    return int((seconds - SCRIPT_EPOCH) * 1_000_000 + micros)
+    return int((seconds - EPOCH) * 1_000_000 + micros)
 
 
 @asynccontextmanager

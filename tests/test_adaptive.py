@@ -23,8 +23,10 @@ from support import (
     token_bucket,
 )
 
-from scrapy_redis_throttle.bucket import TokenBucket, penalty_channel, rate_key
-from scrapy_redis_throttle.config import Adaptive, Limit
+from scrapy_redis_throttle.bucket import TokenBucket
+from scrapy_redis_throttle.config import Adaptive
+from scrapy_redis_throttle.rates import Limit
+from scrapy_redis_throttle.redis_schema import penalty_channel, rate_key
 from scrapy_redis_throttle.scripts import load_script
 
 A, B, _ = HOSTS

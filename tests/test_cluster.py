@@ -33,11 +33,13 @@ from support import (
     wait_until,
 )
 
-from scrapy_redis_throttle.bucket import AcquireResult, TokenBucket, bucket_key
+from scrapy_redis_throttle.bucket import AcquireResult, TokenBucket
 from scrapy_redis_throttle.cli import EXIT_REDIS_FAILED
-from scrapy_redis_throttle.config import Limit, ThrottleConfig, parse_limit
+from scrapy_redis_throttle.config import ThrottleConfig
 from scrapy_redis_throttle.connection import close, connect
 from scrapy_redis_throttle.control import LiveControl
+from scrapy_redis_throttle.rates import Limit, parse_limit
+from scrapy_redis_throttle.redis_schema import bucket_key
 from scrapy_redis_throttle.scripts import load_script
 
 A, B, C = HOSTS

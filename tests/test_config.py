@@ -8,24 +8,24 @@ import pytest
 from scrapy.exceptions import NotConfigured
 from scrapy.settings import Settings
 
-from scrapy_redis_throttle.config import (
-    DEFAULT_REDIS_PARAMS,
+from scrapy_redis_throttle.config import Adaptive, Backoff, ThrottleConfig
+from scrapy_redis_throttle.connection import ClusterClient, connect
+from scrapy_redis_throttle.errors import ThrottleConfigError
+from scrapy_redis_throttle.rates import (
     FIXED_WINDOW,
     SLIDING_WINDOW,
     TOKEN_BUCKET,
-    Adaptive,
-    Backoff,
     Limit,
     Quota,
-    ThrottleConfig,
-    ThrottleConfigError,
     format_rate,
     parse_limit,
     parse_rate,
+)
+from scrapy_redis_throttle.redis_settings import (
+    DEFAULT_REDIS_PARAMS,
     queue_redis_connection,
     redact_url,
 )
-from scrapy_redis_throttle.connection import ClusterClient, connect
 
 
 def config(spider_rates: object = None, **settings: Any) -> ThrottleConfig:

@@ -43,18 +43,12 @@ from support import (
 )
 
 from scrapy_redis_throttle import penalties
-from scrapy_redis_throttle.bucket import bucket_key, penalty_key, rate_key
 from scrapy_redis_throttle.cli import EXIT_BAD_INPUT
-from scrapy_redis_throttle.config import (
-    Limit,
-    ThrottleConfig,
-    ThrottleConfigError,
-    normalize_key,
-    parse_limit,
-)
+from scrapy_redis_throttle.config import ThrottleConfig
 from scrapy_redis_throttle.connection import ThrottleRedis, close, connect, connect_url
 from scrapy_redis_throttle.control import LiveControl
 from scrapy_redis_throttle.crawl_delay import MIN_CRAWL_DELAY, parse_crawl_delay
+from scrapy_redis_throttle.errors import ThrottleConfigError
 from scrapy_redis_throttle.parking import RedisParking, Ticket
 from scrapy_redis_throttle.penalties import (
     MAX_RESUBSCRIBE_DELAY,
@@ -64,6 +58,8 @@ from scrapy_redis_throttle.penalties import (
     Pauses,
     parse_retry_after,
 )
+from scrapy_redis_throttle.rates import Limit, normalize_key, parse_limit
+from scrapy_redis_throttle.redis_schema import bucket_key, penalty_key, rate_key
 from scrapy_redis_throttle.rejections import Rejections
 from scrapy_redis_throttle.request_codec import Unparkable, decode_request, encode_request
 from scrapy_redis_throttle.resilience import ResilientBucket

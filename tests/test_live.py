@@ -29,15 +29,15 @@ from support import (
     wait_until_async,
 )
 
-from scrapy_redis_throttle.bucket import (
+from scrapy_redis_throttle.cli import EXIT_BAD_INPUT, EXIT_REDIS_FAILED
+from scrapy_redis_throttle.control import LiveControl, LiveLimit
+from scrapy_redis_throttle.redis_schema import (
     bucket_key,
     penalty_channel,
     penalty_key,
     rate_key,
     void_key,
 )
-from scrapy_redis_throttle.cli import EXIT_BAD_INPUT, EXIT_REDIS_FAILED
-from scrapy_redis_throttle.control import LiveControl, LiveLimit
 from scrapy_redis_throttle.scripts import load_script
 
 A, B, _ = HOSTS

@@ -31,11 +31,15 @@ from support import (
 )
 
 from scrapy_redis_throttle import bucket as bucket_module
-from scrapy_redis_throttle.activity import parked_key
-from scrapy_redis_throttle.bucket import LOG_SUFFIX, QUOTA_SUFFIX, bucket_key
 from scrapy_redis_throttle.cli import EXIT_BAD_INPUT
-from scrapy_redis_throttle.config import Limit, parse_limit
 from scrapy_redis_throttle.control import LiveControl
+from scrapy_redis_throttle.rates import Limit, parse_limit
+from scrapy_redis_throttle.redis_schema import (
+    LOG_SUFFIX,
+    QUOTA_SUFFIX,
+    bucket_key,
+    parked_counts_key,
+)
 from scrapy_redis_throttle.scripts import load_script
 
 A, B, _ = HOSTS
@@ -418,7 +422,7 @@ async def test_the_workers_report_what_they_do(redis_server: RedisServer, site: 
 async def test_parked_requests_count_as_waiting_until_they_come_back(
     redis_server: RedisServer, site: DemoSite
 ) -> None:
-    parked = parked_key("redis_throttle")
+    parked = parked_counts_key("redis_throttle")
     client = redis.Redis.from_url(redis_server.url)
     control = LiveControl(client, "redis_throttle")
 
@@ -443,7 +447,7 @@ async def test_parked_requests_count_as_waiting_until_they_come_back(
 
 
 def test_parked_counts_leave_the_hash_at_zero(redis_server: RedisServer) -> None:
-    key = parked_key("ns")
+    key = parked_counts_key("ns")
     with redis.Redis.from_url(redis_server.url) as client:
         script = client.register_script(load_script("parked.lua"))
         assert script(keys=[key], args=[60_000, A, 2, B, -1]) == 2

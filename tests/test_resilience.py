@@ -13,10 +13,12 @@ from scrapy.utils.test import get_crawler
 from support import async_test, wait_until_async
 
 from scrapy_redis_throttle import resilience
-from scrapy_redis_throttle.activity import REPORTS_KEPT, Activity, fleet_key
+from scrapy_redis_throttle.activity import REPORTS_KEPT, Activity
 from scrapy_redis_throttle.bucket import AcquireResult
-from scrapy_redis_throttle.config import Limit, ThrottleConfig
+from scrapy_redis_throttle.config import ThrottleConfig
 from scrapy_redis_throttle.connection import connect_url
+from scrapy_redis_throttle.rates import Limit
+from scrapy_redis_throttle.redis_schema import fleet_key
 from scrapy_redis_throttle.resilience import CircuitBreaker, LocalBuckets, ResilientBucket
 
 

@@ -10,7 +10,7 @@ from demo_site import HOSTS, DemoSite
 from local_redis import RedisServer
 from support import async_test, crawl_settings, documented_acl_rules, run_crawl
 
-from scrapy_redis_throttle.activity import parked_key
+from scrapy_redis_throttle.redis_schema import parked_counts_key
 
 if TYPE_CHECKING:
     from scrapy.crawler import Crawler
@@ -64,7 +64,7 @@ async def test_acl_user_with_the_documented_minimal_rights(site: DemoSite) -> No
             redis_throttle_rates=PARKED_RATES,
         )
         with server.client() as admin:
-            parked_counts = admin.exists(parked_key("redis_throttle"))
+            parked_counts = admin.exists(parked_counts_key("redis_throttle"))
     assert_shared(crawler)
     assert_shared(crawler_after_flush)
     assert crawler_after_flush.stats.get_value("redis_throttle/parked") >= 1

@@ -18,7 +18,7 @@ from support import (
     tool,
 )
 
-from scrapy_redis_throttle.bucket import bucket_key
+from scrapy_redis_throttle.redis_schema import bucket_key
 
 A = HOSTS[0]
 

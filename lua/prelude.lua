@@ -1,0 +1,39 @@
+-- What every script shares: scripts.py puts it in each one after its first line (the shebang,
+-- which Redis wants first), itself after what Python owns (redis_schema.py, rates.py):
+--   EPOCH              seconds: the scripts' clock counts from it (2024-01-01)
+--   MAX_LIMITS         the most limits of a domain a call takes (of those set live, the first
+--                      so many are read)
+--   MAX_SLIDING_COUNT  the largest count of a sliding window (its log holds a member per
+--                      request of the window)
+
+-- The longest interval (µs per token) and period, about 3 years: past what rates.py takes (at
+-- most 1/365d), and every moment stays an exact integer of a double.
+local MAX_INTERVAL = 1e14
+-- What a call reads from Redis is bounded too: a value longer than this (the bucket's with a
+-- live limit, a fixed window's state) is not one the scripts wrote, and is taken as absent
+-- (Lua's patterns take time quadratic in the length of some garbage)...
+local MAX_VALUE_BYTES = 4096
+-- ...and so is a moment further ahead than this (µs, ~31 years: past any pause, and exact in a
+-- double), whose wait would overflow the reply's integers.
+local MAX_AHEAD = 1e15
+
+-- Redis's time, so that workers on machines with skewed clocks agree, in µs since EPOCH: small
+-- enough for sub-µs precision in doubles.
+local function server_now()
+  local time = redis.call("TIME")
+  return (tonumber(time[1]) - EPOCH) * 1000000 + tonumber(time[2])
+end
+
+-- A number read from Redis, or nil: garbage (no number, not finite, or not below most) counts
+-- as none, never as an error reply (which the workers would take for a failing Redis).
+local function number_read(value, most)
+  local number = tonumber(value)
+  if number and number > -math.huge and number < most then
+    return number
+  end
+end
+
+-- A moment read from Redis (µs), or nil: garbage, or further ahead of now than MAX_AHEAD.
+local function time_read(value, now)
+  return number_read(value, now + MAX_AHEAD)
+end

@@ -1,0 +1,9 @@
+"""The errors scrapy-redis-throttle raises for what users give it."""
+
+
+class ThrottleConfigError(ValueError):
+    """A setting or spider attribute of scrapy-redis-throttle is invalid."""
+
+
+class InvalidThrottleMeta(ValueError):
+    """A request's ``redis_throttle_*`` meta value is invalid; that request fails."""
