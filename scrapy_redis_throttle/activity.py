@@ -190,7 +190,7 @@ class Activity:
                         "Redis throttle: Redis refused to count this worker in the fleet "
                         "(%s: %s): "
                         "while Redis fails, its throttled requests will wait, not knowing "
-                        "its share of the rates (see README's ACL rights, or set "
+                        "its share of the rates (see the documented ACL rights, or set "
                         "REDIS_THROTTLE_FALLBACK_WORKERS)",
                         type(exc).__name__,
                         exc,

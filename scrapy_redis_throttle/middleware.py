@@ -1,33 +1,10 @@
 """Downloader middleware that makes every request wait for its domain's shared budget in Redis.
 
-Settings (see README.md for the full reference):
-
-* ``REDIS_THROTTLE_ENABLED`` - on by default once the middleware is enabled
-* ``REDIS_THROTTLE_DEFAULT_RATE`` / ``REDIS_THROTTLE_DEFAULT_BURST`` - for domains not listed
-* ``REDIS_THROTTLE_RATES`` and the spider attribute ``redis_throttle_rates`` - per-domain limits
-* ``REDIS_THROTTLE_URL`` / ``REDIS_THROTTLE_PARAMS`` - default to scrapy-redis's ``REDIS_URL`` /
-  ``REDIS_PARAMS``
-* ``REDIS_THROTTLE_MAX_HOLD``, ``REDIS_THROTTLE_MAX_RESERVE`` - how long a request may wait here
-  (longer waits are parked: see :mod:`scrapy_redis_throttle.parking`) and how far ahead it may
-  reserve its tokens
-* ``REDIS_THROTTLE_ON_REDIS_ERROR``, ``REDIS_THROTTLE_FALLBACK_WORKERS``,
-  ``REDIS_THROTTLE_PROBE_INTERVAL`` - what happens while Redis fails (see
-  :mod:`scrapy_redis_throttle.resilience`)
-* ``REDIS_THROTTLE_PENALTY_HTTP_CODES``, ``REDIS_THROTTLE_PENALTY_BACKOFF``,
-  ``REDIS_THROTTLE_MAX_PAUSE``, ``REDIS_THROTTLE_PENALTY_DECAY`` - responses that pause their
-  domain for the whole fleet (see :mod:`scrapy_redis_throttle.penalties`)
-* ``REDIS_THROTTLE_ADAPTIVE_ENABLED``, ``REDIS_THROTTLE_ADAPTIVE_MIN_RATE``,
-  ``REDIS_THROTTLE_ADAPTIVE_DECREASE``, ``REDIS_THROTTLE_ADAPTIVE_RECOVERY`` - a domain's rate
-  for the fleet, lowered on those pauses and on download timeouts, climbing back meanwhile
-* ``REDIS_THROTTLE_CRAWL_DELAY_ENABLED``, ``REDIS_THROTTLE_MAX_CRAWL_DELAY`` - robots.txt
-  ``Crawl-delay`` as a host's limit (see :mod:`scrapy_redis_throttle.crawl_delay`)
-* ``REDIS_THROTTLE_KEY_PREFIX``, ``REDIS_THROTTLE_REPORT_INTERVAL``
-* ``REDIS_THROTTLE_GC_FREEZE`` - keep the start-up's objects out of Python's full garbage
-  collections, which stall a worker past its requests' moments (see
-  :mod:`scrapy_redis_throttle.gc_freeze`)
-
-Request meta keys: ``dont_redis_throttle``, ``redis_throttle_key``, ``redis_throttle_cost``,
-``redis_throttle_penalty``.
+The middleware is thin: it asks :class:`.ResilientBucket` (the shared budget, and what happens
+while Redis fails), waits in :mod:`.waiting` or parks in :mod:`.parking`, and hands 429/503
+responses to :mod:`.penalties`. Its settings are read by :class:`.ThrottleConfig`, and listed
+with their defaults in the settings reference (``docs/reference/settings.rst``); its meta keys
+in ``docs/reference/meta.rst``.
 """
 
 from __future__ import annotations

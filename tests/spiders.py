@@ -49,7 +49,7 @@ class UrlListSpider(Spider):
             # Let the reactor run between two: while the downloader is full, Scrapy puts start()'s
             # requests into the scheduler without returning to it, and scrapy-redis's writes
             # each to Redis synchronously. A worker's share (150) blocked it 120-145 ms, and
-            # the requests sent just before reached the site that late (README, "Known
+            # the requests sent just before reached the site that late (docs, "Known
             # limitations").
             await asyncio.sleep(0)
 

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from scrapy.crawler import Crawler
 
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+SECURITY_DOCS = Path(__file__).resolve().parent.parent / "docs" / "operations" / "security.rst"
 
 
 def parked_member(flag: bytes, key: str, body: bytes, reserved_at: float = 0.0) -> bytes:
@@ -58,18 +58,21 @@ SCRAPY_REDIS = {
 
 
 def documented_acl_rules() -> list[str]:
-    """The rules of README's ``ACL SETUSER throttle-worker on >password ...`` line."""
-    match = re.search(r"^ACL SETUSER throttle-worker on >\S+ (.+)$", README.read_text(), re.M)
-    assert match, "README.md documents no ACL SETUSER throttle-worker line"
+    """The rules of the docs' ``ACL SETUSER throttle-worker on >password ...`` line."""
+    match = re.search(
+        r"^ *ACL SETUSER throttle-worker on >\S+ (.+)$", SECURITY_DOCS.read_text(), re.M
+    )
+    assert match, f"{SECURITY_DOCS} documents no ACL SETUSER throttle-worker line"
     return match[1].split()
 
 
 def documented_cluster_rights() -> list[str]:
-    """The rights README says a worker needs on top of those on a Redis Cluster."""
+    """The rights the docs say a worker needs on top of those on a Redis Cluster."""
     match = re.search(
-        r"On a Redis Cluster, create the user on every node, with\s+`([^`]+)`", README.read_text()
+        r"On a Redis Cluster, create the user on every node, with\s+``([^`]+)``",
+        SECURITY_DOCS.read_text(),
     )
-    assert match, "README.md documents no rights for a Redis Cluster"
+    assert match, f"{SECURITY_DOCS} documents no rights for a Redis Cluster"
     return match[1].split()
 
 

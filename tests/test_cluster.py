@@ -289,7 +289,7 @@ def test_a_fleet_goes_on_while_a_slot_moves(
     """Two worker processes crawl A at 10/s while its slot moves to another primary, as
     ``redis-cli --cluster reshard`` moves it. The slot's key moves first: meanwhile, the old
     node answers ASK (for a key that has left), then, once the move ends, MOVED. The workers,
-    with README's rights on a cluster, follow both, and no call fails; without ``+asking``, the
+    with the documented rights on a cluster, follow both, and no call fails; without ``+asking``, the
     calls sent on with ASK fail."""
     slot = redis_cluster.slot(bucket_key(PREFIX, A))
     source = redis_cluster.owner(slot)
@@ -332,7 +332,7 @@ def test_a_fleet_goes_on_while_a_slot_moves(
     if dropped is None:
         assert failures == set()
         assert_paced(times, rate=10, burst=1, what=A)
-    else:  # the policy paces the calls that failed (README, "When Redis fails")
+    else:  # the policy paces the calls that failed (docs, "When Redis fails")
         assert "redis_throttle/redis_errors/NoPermissionError" in failures
     print(
         f"slot moved: ASK {errors(source, 'ASK')}, MOVED {errors(source, 'MOVED')}, "
@@ -341,7 +341,7 @@ def test_a_fleet_goes_on_while_a_slot_moves(
 
 
 def add_worker_user(cluster: LocalCluster, dropped: str | None = None) -> str:
-    """README's worker user, with its rights on a cluster but *dropped*, on every node; the
+    """The documented worker user, with its rights on a cluster but *dropped*, on every node; the
     throttle's URL for it."""
     rights = [right for right in documented_cluster_rights() if right != dropped]
     for node in cluster.nodes:

@@ -256,27 +256,26 @@ async def test_a_host_whose_robots_txt_scrapy_has_not_stored_yet_is_not_forgotte
 ) -> None:
     """Scrapy sends robots_parsed (and waits for its handlers) before it stores the robots.txt
     parsed: a host forgotten then would keep it stored, and never have its delay again. With
-    room for one host, A's robots.txt is held in its signal (by a handler of this test) until
-    B's is parsed: both keep their delays."""
+    room for one host, each robots.txt is held in its signal (by a handler of this test) until
+    the other's is parsed, whichever comes first: both keep their delays."""
     monkeypatch.setattr(crawl_delay, "MAX_HOSTS", 1)
-    b_parsed = asyncio.Event()
+    parsed = {A: asyncio.Event(), B: asyncio.Event()}
 
-    async def hold_a_until_b(robotparser: object, request: Request) -> None:
-        if urlparse_cached(request).hostname == B:
-            b_parsed.set()
-        else:
-            await asyncio.wait_for(b_parsed.wait(), 10)
+    async def hold_each_until_the_other(robotparser: object, request: Request) -> None:
+        host = urlparse_cached(request).hostname
+        parsed[host or ""].set()
+        await asyncio.wait_for(parsed[B if host == A else A].wait(), 10)
 
     with DemoSite(HOSTS, pages=10, robots={A: robots(0.5), B: robots(0.5)}) as site:
         crawler = await run_crawl(
             crawl_settings(redis_server.url, ROBOTSTXT_OBEY=True, REDIS_THROTTLE_DEFAULT_RATE=None),
             alternating(site),
-            {signals.robots_parsed: hold_a_until_b},
+            {signals.robots_parsed: hold_each_until_the_other},
         )
         times = {host: page_times(site, host) for host in (A, B)}
     stats = crawler.stats.get_stats()
-    assert "redis_throttle/crawl_delay/forgotten" not in stats, "A's not stored yet, B's own"
-    assert "log_count/ERROR" not in stats, "RobotsTxtMiddleware lost A's robots.txt"
+    assert "redis_throttle/crawl_delay/forgotten" not in stats, "neither was stored yet"
+    assert "log_count/ERROR" not in stats, "RobotsTxtMiddleware lost a robots.txt"
     for host in (A, B):
         assert len(times[host]) == 5
         assert_paced(times[host], rate=2, burst=1, what=host)

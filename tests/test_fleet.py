@@ -36,7 +36,7 @@ LIMITS = configured_limits()
 PAGES = {"127.0.0.2": 55, "127.0.0.3": 25, "127.0.0.4": 6}
 # Arrival times at the server may be squeezed by uneven latency: one request of tolerance.
 TOLERANCE = 1
-# A killed worker's reservations are not given back (README, "Known limitations"): it held
+# A killed worker's reservations are not given back (docs, "Known limitations"): it held
 # requests for at most this long ahead (parked ones come back RELEASE_AHEAD early, and wait in
 # the middleware up to MAX_HOLD), so its domains may idle that long after the kill.
 LOST_RESERVATIONS = DEFAULT_MAX_HOLD + RELEASE_AHEAD

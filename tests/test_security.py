@@ -127,7 +127,7 @@ async def test_each_documented_right_is_needed(dropped: str) -> None:
 async def test_a_worker_that_may_not_count_itself_in_the_fleet_says_so_and_knows_no_share(
     site: DemoSite, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """An ACL user of an older README, without ``+zcard`` (fleet.lua): the crawl is shared as
+    """An ACL user of older docs, without ``+zcard`` (fleet.lua): the crawl is shared as
     usual, but the worker cannot know its share of the rates for an outage; it says so once,
     and under the "local" policy would wait for Redis rather than pace on a guess."""
     caplog.set_level(logging.WARNING, logger="scrapy_redis_throttle")

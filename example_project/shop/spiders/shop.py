@@ -39,5 +39,5 @@ class ShopSpider(RedisSpider):  # type: ignore[misc]
             yield response.follow(link, callback=self.parse)
             # scrapy-redis's scheduler writes each request to Redis synchronously: let the
             # reactor send the requests the throttle releases meanwhile, or a page of many
-            # links delays them all (README, "Known limitations").
+            # links delays them all (docs, "Known limitations").
             await asyncio.sleep(0)
