@@ -139,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _domain(text: str) -> str:
-    """DOMAIN as the workers' keys are (see :func:`.config.normalize_key`); a URL or a port,
+    """DOMAIN as the workers' keys are (see :func:`.rates.normalize_key`); a URL or a port,
     which no worker's key holds, is refused."""
     if "/" in text or _PORT.fullmatch(text) or not text.strip():
         raise ThrottleConfigError(

@@ -84,7 +84,7 @@ class LiveLimit:
 
 def _quota(text: str) -> Quota:
     """A quota from its text in a live limit: ``"f1000/3600000000"`` (see
-    :attr:`.config.Quota.script_text`)."""
+    :attr:`.rates.Quota.script_text`)."""
     count, period = (_positive(number) for number in text[1:].split("/"))
     algorithm = {code: name for name, code in ALGORITHM_CODES.items()}[text[:1]]
     period /= 1e6

@@ -281,7 +281,7 @@ class RedisThrottleMiddleware:
         return self.crawl_delays.limit(key, self.config.limits.lookup(key))
 
     def _key(self, request: Request) -> str:
-        """The request's throttle key (see :func:`.config.normalize_key`)."""
+        """The request's throttle key (see :func:`.rates.normalize_key`)."""
         key = request.meta.get("redis_throttle_key")
         if key is None:
             key = self.crawler.engine.downloader.get_slot_key(request)

@@ -367,7 +367,9 @@ async def test_each_documented_cluster_right_is_needed(
         crawler = await run_crawl(settings, pages(site, A, 3))
     stats = crawler.stats.get_stats()
     assert stats["test/responses"] == 3
-    assert stats["redis_throttle/fallback/local"] == 3, stats
+    # Every request paced by this worker alone (one may ask again after a wait: more decisions).
+    assert stats["redis_throttle/fallback/local"] >= 3, stats
+    assert stats["redis_throttle/redis_errors/NoPermissionError"] >= 1, stats
 
 
 def errors(node: RedisServer, code: str) -> int:
