@@ -369,7 +369,7 @@ async def test_each_documented_cluster_right_is_needed(
     assert stats["test/responses"] == 3
     # Every request paced by this worker alone (one may ask again after a wait: more decisions).
     assert stats["redis_throttle/fallback/local"] >= 3, stats
-    assert stats["redis_throttle/redis_errors/NoPermissionError"] >= 1, stats
+    assert any(name.startswith("redis_throttle/redis_errors/") for name in stats), stats
 
 
 def errors(node: RedisServer, code: str) -> int:
