@@ -24,26 +24,21 @@ TLS_SUBJECT_ALT_NAME = "subjectAltName=IP:127.0.0.1,DNS:localhost"
 
 
 # Servers get ports below the kernel's ephemeral range (Linux: 32768-60999), so that no client
-# socket is given one between our choosing it and the server binding it; each test process
-# (pytest-xdist worker) chooses in a slice of its own, so that two never choose the same.
+# socket is given one between our choosing it and the server binding it; at random, so that
+# test processes side by side (pytest-xdist, tox run-parallel) hardly ever choose the same.
 PORTS_FROM, PORTS_BELOW = 10_000, 32_768
-PORT_SLICES = 16
 
 
 def free_port() -> int:
     """A port nothing listens on now, for a server this process starts."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    index = int(worker[2:]) if worker[2:].isdigit() else os.getpid()
-    size = (PORTS_BELOW - PORTS_FROM) // PORT_SLICES
-    first = PORTS_FROM + index % PORT_SLICES * size
-    for port in random.sample(range(first, first + size), size):
+    for port in random.sample(range(PORTS_FROM, PORTS_BELOW), 1000):
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise OSError(f"no free port in {first}-{first + size - 1}")
+    raise OSError(f"no free port in {PORTS_FROM}-{PORTS_BELOW - 1} after 1000 tries")
 
 
 def make_tls_files(directory: Path) -> None:

@@ -42,6 +42,14 @@ class SentinelSetup:
     def start(self) -> SentinelSetup:
         self.primary.start()
         self.replica.start()
+        # The sentinel learns of replicas from the primary's INFO, at its start and then every
+        # 10 s: connected first, the replica is known at once.
+        with self.primary.client() as primary:
+            wait_until(
+                lambda: primary.info("replication").get("connected_slaves", 0) >= 1,
+                SETUP_TIMEOUT,
+                "the replica to connect to the primary",
+            )
         config = self.directory / "sentinel.conf"
         config.write_text(
             f"port {self.sentinel_port}\nbind 127.0.0.1\ndir {self.directory}\n"
