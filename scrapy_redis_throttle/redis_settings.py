@@ -13,7 +13,7 @@ from urllib.parse import unquote_plus, urlsplit
 from redis.connection import parse_url
 
 from .errors import ThrottleConfigError
-from .setting_values import get_dict, get_value
+from .setting_values import get_addresses, get_dict, get_value
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -141,24 +141,6 @@ def _connection_parameters() -> frozenset[str]:
     for cls in (connection.AbstractConnection, connection.Connection, connection.SSLConnection):
         names.update(inspect.signature(cls.__init__).parameters)
     return frozenset(names - {"self", "kwargs", *_SET_BY_THE_THROTTLE, *_PART_OF_THE_URL})
-
-
-def get_addresses(settings: BaseSettings, name: str) -> list[tuple[str, int]]:
-    """The setting's "host:port" entries (a list, or a string separated by commas)."""
-    value = get_value(settings, name, [])
-    try:
-        entries = settings.getlist(name, [])
-    except (TypeError, ValueError) as exc:
-        raise ThrottleConfigError(f"{name} must be a list of 'host:port', got {value!r}") from exc
-    addresses = []
-    for entry in entries:
-        host, _, port = str(entry).strip().rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ThrottleConfigError(
-                f"{name} must be a list of 'host:port', got {value!r} ({entry!r})"
-            )
-        addresses.append((host, int(port)))
-    return addresses
 
 
 def read_sentinel(settings: BaseSettings) -> Sentinel | None:
