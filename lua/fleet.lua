@@ -1,4 +1,5 @@
 #!lua
+-- (Run as scripts.load_script gives it: with lua/prelude.lua, which it uses, put in after this line.)
 -- The shebang (Redis 7) declares a script that may write: a read-only replica or a Redis out of
 -- memory refuses every call up front, not only the calls that happen to write.
 -- The fleet's live workers, for the "local" policy's share while Redis fails (see

@@ -1,4 +1,5 @@
 #!lua
+-- (Run as scripts.load_script gives it: with lua/prelude.lua, which it uses, put in after this line.)
 -- The fleet's parked requests per throttle key, for `scrapy-redis-throttle status` (see
 -- scrapy_redis_throttle/activity.py): each worker sends how many it parked (+) and took back
 -- (-) per key since its last report; a request may come back to another worker than the one

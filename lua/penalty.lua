@@ -1,4 +1,5 @@
 #!lua
+-- (Run as scripts.load_script gives it: with lua/prelude.lua, which it uses, put in after this line.)
 -- A site answered 429 or 503: pause its domain for the whole fleet. The bucket's "full again
 -- at" time (see token_bucket.lua) is pushed past the pause, so that no acquire succeeds before
 -- it ends; the pause is published, so that requests that reserved a moment within it ask again.

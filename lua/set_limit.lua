@@ -1,4 +1,5 @@
 #!lua
+-- (Run as scripts.load_script gives it: with lua/prelude.lua, which it uses, put in after this line.)
 -- Change a domain's limit live, for every worker at its next request: the limit is kept after
 -- the bucket's time in the bucket's own value (see token_bucket.lua), which then lives on until
 -- the limit is deleted. The moments reserved before a change were chosen under the old limit:
@@ -43,8 +44,8 @@ if not (action == "set" or action == "delete" or action == "pause" or action == 
     or not valid_rate or not valid_burst or not valid_limits or not ARGV[5] then
   return redis.error_reply("ERR redis_throttle: set_limit takes an action (set, delete, pause, "
     .. "resume), a rate > 0 (at least one per 1e14 µs) or -, an integer burst >= 1 or -, a "
-    .. "channel, a name and at most 16 more limits with a rate (a sliding window's count at most "
-    .. "10000); got " .. table.concat(ARGV, " "))
+    .. "channel, a name and at most " .. MAX_LIMITS .. " more limits with a rate (a sliding "
+    .. "window's count at most " .. MAX_SLIDING_COUNT .. "); got " .. table.concat(ARGV, " "))
 end
 
 local now = server_now()

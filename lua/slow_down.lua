@@ -1,4 +1,5 @@
 #!lua
+-- (Run as scripts.load_script gives it: with lua/prelude.lua, which it uses, put in after this line.)
 -- The site struggles (it answered 429/503, or a request timed out): lower the domain's rate
 -- for the whole fleet, multiplicatively. It climbs back linearly while no failure comes (the
 -- additive increase), up to the configured rate; token_bucket.lua refills at it meanwhile.

@@ -1,4 +1,5 @@
 #!lua flags=allow-oom
+-- (Run as scripts.load_script gives it: with lua/prelude.lua, which it uses, put in after this line.)
 -- The shebang (Redis 7) declares a script that may write: a read-only replica refuses every
 -- call up front. It only removes, so a Redis out of memory lets it run, as it lets scrapy-redis
 -- pop its queue: parked requests must not be stuck there while the queue goes on.

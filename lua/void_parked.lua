@@ -1,4 +1,5 @@
 #!lua flags=allow-oom
+-- (Run as scripts.load_script gives it: with lua/prelude.lua, which it uses, put in after this line.)
 -- The shebang (Redis 7) declares a script that may write. It adds no memory (each member it
 -- takes out of the index comes back as one of the same size), so a Redis out of memory lets it
 -- run, as it lets unpark.lua.

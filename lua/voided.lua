@@ -1,4 +1,5 @@
 #!lua flags=no-writes
+-- (Run as scripts.load_script gives it: with lua/prelude.lua, which it uses, put in after this line.)
 -- Only reads: it runs on a read-only replica, and in a Redis out of memory, too.
 -- When a domain's reserved moments were last voided, for a worker that may have missed the
 -- message: penalty.lua, slow_down.lua and set_limit.lua publish each pause (or change of rate)

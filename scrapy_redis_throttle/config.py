@@ -109,8 +109,10 @@ class CrawlSettings:
     user_agent: str
     twisted_reactor: object
     """``TWISTED_REACTOR``, as set (for the message when it is not asyncio's)."""
-    queue_redis: tuple[str, Mapping[str, Any]]
-    """URL and client parameters of scrapy-redis's Redis (see :func:`.queue_redis_connection`)."""
+    queue_redis: tuple[str, Mapping[str, Any]] | ThrottleConfigError
+    """URL and client parameters of scrapy-redis's Redis (see :func:`.queue_redis_connection`),
+    or why they are invalid: only the parking area beside scrapy-redis's queue needs them, and
+    fails alone (the throttle works without it)."""
 
     @classmethod
     def from_settings(cls, settings: BaseSettings) -> CrawlSettings:
@@ -124,8 +126,15 @@ class CrawlSettings:
             robotstxt_user_agent=settings.get("ROBOTSTXT_USER_AGENT") or "",
             user_agent=settings.get("USER_AGENT") or "",
             twisted_reactor=settings.get("TWISTED_REACTOR"),
-            queue_redis=queue_redis_connection(settings),
+            queue_redis=_queue_redis(settings),
         )
+
+
+def _queue_redis(settings: BaseSettings) -> tuple[str, Mapping[str, Any]] | ThrottleConfigError:
+    try:
+        return queue_redis_connection(settings)
+    except ThrottleConfigError as error:
+        return error
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,7 @@ class DomainState:
 
     domain: str
     """The domain's name, or ``#`` and its SHA-256 for a name that is not plain (see
-    :func:`.bucket.key_tag`)."""
+    :func:`.redis_schema.key_tag`)."""
     live: LiveLimit | None
     full_in: float
     """Seconds until the bucket is full again (0: full, or no bucket)."""
@@ -192,8 +192,8 @@ class LiveControl:
         return state
 
     def active_domains(self) -> list[str]:
-        """The :func:`.bucket.key_tag` of every domain with a bucket in Redis: requested lately,
-        or with a limit set live."""
+        """The :func:`.redis_schema.key_tag` of every domain with a bucket in Redis: requested
+        lately, or with a limit set live."""
         start = len(tagged_key(self._prefix, "")) - 1
         return sorted(
             key.decode()[start:-1]
@@ -201,9 +201,9 @@ class LiveControl:
         )
 
     def activity(self) -> dict[str, tuple[int, int]]:
-        """Per domain (by its :func:`.bucket.key_tag`), the fleet's requests in the last minute
-        and waiting now (held in a middleware, or parked), from the workers' reports (see
-        :mod:`.activity`)."""
+        """Per domain (by its :func:`.redis_schema.key_tag`), the fleet's requests in the last
+        minute and waiting now (held in a middleware, or parked), from the workers' reports
+        (see :mod:`.activity`)."""
         reports = list(self._client.scan_iter(report_pattern(self._prefix), count=SCAN_COUNT))
         pipeline = self._client.pipeline(transaction=False)
         pipeline.hgetall(parked_counts_key(self._prefix))
@@ -237,7 +237,7 @@ class LiveControl:
             return absent
 
     def states(self, tags: list[str]) -> list[DomainState]:
-        """The state of each domain (by its :func:`.bucket.key_tag`), read in one pipeline
+        """The state of each domain (by its :func:`.redis_schema.key_tag`), read in one pipeline
         (after Redis's time: a cluster's pipelines do not take TIME)."""
         seconds, micros = self._client.time()
         now = server_micros(seconds, micros)

@@ -47,6 +47,7 @@ from scrapy_redis.scheduler import Scheduler as ScrapyRedisScheduler
 
 from .config import STATS_PREFIX
 from .connection import connect_url
+from .errors import ThrottleConfigError
 from .penalties import CLOCK_MARGIN
 from .redis_schema import moments_key, parking_key
 from .request_codec import Unparkable, decode_request, encode_request
@@ -750,6 +751,8 @@ def attach(
         key = parking_key(scheduler.queue_key % {"spider": spider.name})
         if scheduler.flush_on_start:
             scheduler.server.delete(key, moments_key(key))
+        if isinstance(crawl.queue_redis, ThrottleConfigError):
+            raise crawl.queue_redis
         url, params = crawl.queue_redis
         store = RedisParking(connect_url(url, params, PARKING_CONNECTIONS), key, spider, rejections)
         # Known from the start, so that the spider neither closes nor idles on a guess (read

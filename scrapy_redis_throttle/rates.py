@@ -44,7 +44,6 @@ MAX_SLIDING_COUNT = 10_000
 TOKEN_BUCKET = "token_bucket"
 FIXED_WINDOW = "fixed_window"
 SLIDING_WINDOW = "sliding_window"
-# How lua/token_bucket.lua names each algorithm.
 
 
 @dataclass(frozen=True)

@@ -455,3 +455,17 @@ def test_a_domains_limits_are_bounded() -> None:
     assert parse_limit(
         {"rate": "10001/h", "algorithm": "fixed_window"}, default_burst=1, source="x"
     )
+
+
+def test_a_bad_scrapy_redis_url_fails_only_the_parking_area_that_needs_it() -> None:
+    """The throttle has its own Redis: scrapy-redis's REDIS_URL, needed only by the parking area
+    beside scrapy-redis's queue, does not stop the crawl; attaching the parking area fails, with
+    the setting named (and the throttle goes on without it: see middleware._attach_parking)."""
+    config = ThrottleConfig.from_settings(
+        Settings({"REDIS_THROTTLE_URL": "redis://localhost:6379/0", "REDIS_URL": "localhost:6379"})
+    )
+    assert config.redis_url == "redis://localhost:6379/0"
+    assert isinstance(config.crawl.queue_redis, ThrottleConfigError)
+    assert "REDIS_URL" in str(config.crawl.queue_redis)
+    config = ThrottleConfig.from_settings(Settings({"REDIS_URL": "redis://example:6380/2"}))
+    assert config.crawl.queue_redis[0] == "redis://example:6380/2"  # type: ignore[index]

@@ -621,7 +621,7 @@ def test_a_burst_of_non_ascii_digits_is_a_configuration_error() -> None:
 async def test_a_call_a_script_refuses_is_that_requests_problem_not_an_outage(
     redis_server: RedisServer, caplog: pytest.LogCaptureFixture, policy: str
 ) -> None:
-    """A limit no script takes (here one too slow for config.py, built past it: its interval
+    """A limit no script takes (here one too slow for rates.py, built past it: its interval
     is over 1e14 µs): Redis answers with an error reply, which is no failure of Redis. The
     breaker stays closed, the other domains go by Redis, and the request is paced by this
     worker alone, whatever the policy: not unthrottled (open), nor asked again at once

@@ -31,8 +31,9 @@ def test_installed_wheel_finds_the_lua_scripts(tmp_path: Path) -> None:
     )  # fmt: skip
     probe = (
         "import scrapy_redis_throttle, sys\n"
-        "from scrapy_redis_throttle.scripts import read_lua\n"
+        "from scrapy_redis_throttle.scripts import load_script, read_lua\n"
         "print(scrapy_redis_throttle.__file__)\n"
+        "assert 'local function server_now()' in load_script('token_bucket.lua')\n"
         "sys.stdout.write(read_lua('token_bucket.lua'))\n"
     )
     # Run away from the checkout, with the installed copy first on the path.
