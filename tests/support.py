@@ -25,7 +25,7 @@ from spiders import BASE_SETTINGS, UrlListSpider
 from twisted.internet.defer import Deferred
 
 from scrapy_redis_throttle.bucket import TokenBucket
-from scrapy_redis_throttle.redis_schema import EPOCH
+from scrapy_redis_throttle.redis_schema import server_micros
 
 if TYPE_CHECKING:
     import redis
@@ -79,7 +79,7 @@ def documented_cluster_rights() -> list[str]:
 def redis_now_us(client: redis.Redis) -> int:
     """Redis's time as the scripts count it."""
     seconds, micros = client.time()
-    return int((seconds - EPOCH) * 1_000_000 + micros)
+    return int(server_micros(seconds, micros))
 
 
 @asynccontextmanager
