@@ -9,8 +9,10 @@ commandstats, on the server).
 
 Columns: the throttle's script calls per downloaded request (mean, and how many requests needed
 1, 2, 3 or more, counted per request by a counting subclass of the middleware), the parking
-area's script calls per request (park and unpark, in scrapy-redis's Redis), and each domain's
-achieved rate over its limit, measured where the requests arrive.
+area's script calls per request (park and unpark, and with leases the queue's pops and the
+leases' renewals, in scrapy-redis's Redis), every call there per request (``queue``: what leases
+add shows against the set-up without them, whose queue class the throttle does not lease), and
+each domain's achieved rate over its limit, measured where the requests arrive.
 
 Run: ``./run bench binding`` (about 1 minute; ``--seconds``).
 """
@@ -44,13 +46,27 @@ SETUPS: dict[str, dict[str, Any]] = {
     "held (Scrapy's scheduler)": {"REDIS_THROTTLE_MAX_HOLD": 1e9},
     "parked (Scrapy's scheduler)": {},
     "parked in Redis (scrapy-redis's scheduler)": SCRAPY_REDIS,
+    # The same without leases (see unleased_queue.py), for what leases cost.
+    "parked in Redis, no leases": {
+        **SCRAPY_REDIS,
+        "SCHEDULER_QUEUE_CLASS": "unleased_queue.UnleasedPriorityQueue",
+    },
 }
 
 
-def script_calls(server: RedisServer) -> int:
+def calls(server: RedisServer, names: tuple[str, ...] | None = None) -> int:
+    """Calls of the commands *names* the server ran (None: of every command)."""
     with server.client() as client:
         stats = client.info("commandstats")
-    return sum(stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("evalsha", "eval"))
+    return sum(
+        counts.get("calls", 0)
+        for name, counts in stats.items()
+        if names is None or name.removeprefix("cmdstat_") in names
+    )
+
+
+def script_calls(server: RedisServer) -> int:
+    return calls(server, ("evalsha", "eval"))
 
 
 def crawl(
@@ -98,6 +114,7 @@ def crawl(
         "calls_2": per_request[2] / downloaded,
         "calls_3_or_more": sum(n for calls, n in per_request.items() if calls >= 3) / downloaded,
         "parking_calls_per_request": script_calls(queue) / downloaded,
+        "queue_calls_per_request": calls(queue) / downloaded,
         "rate_vs_limit": rates,
     }
 
@@ -114,7 +131,8 @@ async def measure(seconds: float) -> list[dict[str, Any]]:
             print(
                 f"{name:<42} {row['throttle_calls_per_request']:>6.2f} "
                 f"{row['calls_1']:>6.0%} {row['calls_2']:>6.0%} {row['calls_3_or_more']:>6.0%} "
-                f"{row['parking_calls_per_request']:>8.2f}   "
+                f"{row['parking_calls_per_request']:>8.2f} "
+                f"{row['queue_calls_per_request']:>6.2f}   "
                 + "  ".join(f"{ratio:.3f}" for ratio in row["rate_vs_limit"].values())
             )
             rows.append(row)
@@ -127,12 +145,13 @@ def main() -> None:
     args = parser.parse_args()
     run_benchmark(
         "binding",
-        f"{'setup':<42} {'calls':>6} {'1':>6} {'2':>6} {'3+':>6} {'parking':>8}   "
+        f"{'setup':<42} {'calls':>6} {'1':>6} {'2':>6} {'3+':>6} {'parking':>8} {'queue':>6}   "
         "rate / limit: " + ", ".join(f"{host} {rate}/s" for host, rate in RATES.items()),
         lambda: measure(args.seconds),
         f"{WORKERS} workers, CONCURRENT_REQUESTS 16; calls: the throttle's script calls per "
         "downloaded request (INFO commandstats), then the share of requests\nthat needed 1, 2, "
-        "3 or more; parking: the parking area's script calls per request; rate / limit: "
+        "3 or more; parking: the script calls per request in scrapy-redis's Redis (parking, "
+        "leases);\nqueue: every call there per request (scrapy-redis's own too); rate / limit: "
         "achieved at the site, after the first request.",
     )
 

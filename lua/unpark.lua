@@ -11,7 +11,11 @@
 -- ARGV[1]  ahead: microseconds; requests due that soon are taken too, >= 0
 -- ARGV[2]  limit: the most requests to take, >= 1
 -- ARGV[3]  (optional) a member: take out only this one, if it is parked, whenever it is due
---          (a park whose reply was lost must not stay parked: its request waits elsewhere)
+--          (a park whose reply was lost must not stay parked: its request waits elsewhere);
+--          "": none
+-- KEYS[3], KEYS[4], ARGV[4], ARGV[5]  (optional) the worker's leases, the lessees, the worker
+--          and how long its leases hold from now (µs, an integer > 0): each request taken out
+--          is leased to the worker (see lease_pop.lua), under its member's id
 --
 -- Returns {parked_left, next_due_ms, now_us, member_1, due_in_ms_1, member_2, due_in_ms_2, ...}:
 -- next_due_ms is how long until the next request left is due ("-1" when none is left); now_us
@@ -29,9 +33,16 @@ if limit == nil or limit < 1 or limit ~= math.floor(limit) then
     .. tostring(ARGV[2]))
 end
 
+local ttl = tonumber(ARGV[5] or "1")
+if KEYS[4] and (not ARGV[4] or ARGV[4] == "" or not ttl or ttl <= 0 or ttl ~= math.floor(ttl)
+    or ttl > MAX_AHEAD) then
+  return redis.error_reply("ERR redis_throttle: a lease takes a worker and a ttl in µs (an "
+    .. "integer > 0)")
+end
+
 local now = server_now()
 local due
-if ARGV[3] then
+if ARGV[3] and ARGV[3] ~= "" then
   -- Also under the name void_parked.lua gives it, if a voiding came first.
   due = {}
   for _, member in ipairs({ARGV[3], "a" .. string.sub(ARGV[3], 2)}) do
@@ -55,8 +66,14 @@ for i = 1, #due, 2 do
       .. string.format("%017.0f", score) .. string.sub(member, 39 + length, 54 + length)
       .. string.sub(member, 2, 33))
   end
+  if KEYS[4] then
+    redis.call("HSET", KEYS[3], string.sub(member, 2, 33), "p" .. due[i + 1] .. " " .. member)
+  end
   reply[#reply + 1] = member
   reply[#reply + 1] = string.format("%.3f", (score - now) / 1000)
+end
+if KEYS[4] and #due > 0 then
+  redis.call("ZADD", KEYS[4], string.format("%d", now + ttl), ARGV[4])
 end
 local next_due = redis.call("ZRANGE", KEYS[1], 0, 0, "WITHSCORES")
 if next_due[2] then

@@ -48,6 +48,9 @@ DEFAULT_MAX_HOLD = 1.0
 DEFAULT_MAX_RESERVE = 300.0
 DEFAULT_PROBE_INTERVAL = 5.0
 DEFAULT_REPORT_INTERVAL = 5.0
+# A worker that renews nothing for this long is taken for dead (a full GC, a slow Redis, a busy
+# reactor last far less).
+DEFAULT_LEASE_TTL = 30.0
 # Nutch and StormCrawler cap the Crawl-delay they honour at 30 s too.
 DEFAULT_MAX_CRAWL_DELAY = 30.0
 DEFAULT_PENALTY_HTTP_CODES = (429, 503)
@@ -168,6 +171,8 @@ class ThrottleConfig:
     """How long such a pause is when the response has no Retry-After, and the longest."""
     adaptive: Adaptive | None
     """The adaptive rate, None when ``REDIS_THROTTLE_ADAPTIVE_ENABLED`` is off."""
+    lease_ttl: float
+    """Seconds without renewal after which a worker's leases expire (see :mod:`.leases`)."""
     report_interval: float
     """Seconds between two reports of this worker's activity to Redis (0: none)."""
     crawl: CrawlSettings
@@ -237,6 +242,7 @@ class ThrottleConfig:
                 settings, "REDIS_THROTTLE_PROBE_INTERVAL", DEFAULT_PROBE_INTERVAL, minimum=0.1
             ),
             max_hold=get_seconds(settings, "REDIS_THROTTLE_MAX_HOLD", DEFAULT_MAX_HOLD, minimum=0),
+            lease_ttl=get_seconds(settings, "REDIS_THROTTLE_LEASE_TTL", DEFAULT_LEASE_TTL, 3),
             report_interval=get_seconds(
                 settings, "REDIS_THROTTLE_REPORT_INTERVAL", DEFAULT_REPORT_INTERVAL, minimum=0
             ),

@@ -134,7 +134,7 @@ class RedisThrottleMiddleware:
             )
             return
         try:
-            self.parking = attach(self.crawler, self.config.crawl, scheduler, self.rejections)
+            self.parking = attach(self.crawler, self.config, scheduler, self.rejections)
         except Exception:
             # Without parking the throttle still works: the rest of the start must happen.
             logger.exception(

@@ -27,6 +27,7 @@ as held ones wake to, not at their old moments. Both stores index reserved momen
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
 import itertools
 import logging
@@ -48,8 +49,9 @@ from scrapy_redis.scheduler import Scheduler as ScrapyRedisScheduler
 from .config import STATS_PREFIX
 from .connection import connect_url
 from .errors import ThrottleConfigError
+from .leases import LEASE_META, Leases, queue_kind
 from .penalties import CLOCK_MARGIN
-from .redis_schema import moments_key, parking_key
+from .redis_schema import leases_key, lessees_key, moments_key, parking_key
 from .request_codec import Unparkable, decode_request, encode_request
 from .scripts import lua_script
 from .server_clock import ServerClock
@@ -63,7 +65,7 @@ if TYPE_CHECKING:
     from scrapy.crawler import Crawler
     from twisted.internet.defer import Deferred
 
-    from .config import CrawlSettings
+    from .config import ThrottleConfig
     from .rejections import Rejections
 
 logger = logging.getLogger(__name__)
@@ -295,10 +297,18 @@ class RedisParking:
 
     poll_interval: float | None = REDIS_POLL_INTERVAL
 
-    def __init__(self, redis: Redis, key: str, spider: Spider, rejections: Rejections) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        key: str,
+        spider: Spider,
+        rejections: Rejections,
+        leases: Leases | None = None,
+    ) -> None:
         self.key = key
         self.index_key = moments_key(key)
         self.parked = 0
+        self.leases = leases
         self._redis = redis
         self._spider = spider
         self._rejections = rejections
@@ -308,7 +318,8 @@ class RedisParking:
         self._clock = ServerClock()  # scrapy-redis's Redis's, not the throttle's
 
     async def park(self, request: Request, ticket: Ticket) -> None:
-        wire = request.replace(meta={**request.meta, TICKET_META: ticket.to_wire()})
+        meta = {name: value for name, value in request.meta.items() if name != LEASE_META}
+        wire = request.replace(meta={**meta, TICKET_META: ticket.to_wire()})
         encoded = encode_request(wire, self._spider)  # Unparkable: before anything is done
         # The call may wait for the connection: its delay counts from Redis's time now (see
         # park.lua's ARGV[3]), not from when Redis runs it.
@@ -358,9 +369,11 @@ class RedisParking:
         await self._clock.follow(self._redis)
         loop = asyncio.get_running_loop()
         sent = loop.time()
-        reply = await self._unpark_script(
-            keys=[self.key, self.index_key], args=[repr(ahead * 1e6), limit]
-        )
+        keys, args = [self.key, self.index_key], [repr(ahead * 1e6), limit]
+        if self.leases is not None:
+            lease_keys, lease_args = self.leases.unpark_keys()
+            keys, args = [*keys, *lease_keys], [*args, "", *lease_args]
+        reply = await self._unpark_script(keys=keys, args=args)
         read = loop.time()
         self.parked = int(reply[0])
         next_due = float(reply[1])
@@ -368,10 +381,14 @@ class RedisParking:
         now = self._clock.decided_at(sent, read, float(reply[2]))
         due = []
         for member, due_in_ms in zip(reply[3::2], reply[4::2], strict=True):
+            # Leased under its member's id (see unpark.lua).
+            lease = bytes(member[1:33]).decode("ascii", "replace")
             try:
                 flag, key, encoded = read_member(member)
                 request = decode_request(encoded, self._spider)
             except Exception as error:  # (a ValueError, unless a bug: either way, the next)
+                if self.leases is not None:
+                    self.leases.release(lease)
                 # Not written by a worker of this version: the set is in reach of whoever may
                 # write into scrapy-redis's Redis. The batch is out of the set already: one
                 # such member must not lose the others.
@@ -387,6 +404,8 @@ class RedisParking:
             )
             if flag == _ASKS_AGAIN:
                 ticket = replace(ticket, reserved=False)
+            if self.leases is not None:
+                request.meta[LEASE_META] = lease
             due.append((request, ticket))
         return due, (next_due / 1000 if next_due >= 0 else None)
 
@@ -410,6 +429,8 @@ class RedisParking:
 
     async def close(self, keep: bool) -> int:
         try:
+            if self.leases is not None:
+                await self.leases.close(keep)
             parked = int(await self._redis.zcard(self.key))
             if not keep:
                 await self._redis.delete(self.key, self.index_key)
@@ -452,6 +473,8 @@ class ParkingArea:
 
     def __init__(self, crawler: Crawler, store: ParkingStore, keep: bool, concurrency: int) -> None:
         self.store = store
+        # With scrapy-redis's queue: what this worker takes from Redis is leased.
+        self.leases: Leases | None = getattr(store, "leases", None)
         self._crawler = crawler
         self._keep = keep
         self._ready: deque[Parked] = deque()
@@ -496,7 +519,9 @@ class ParkingArea:
         if not isinstance(ticket, Ticket):
             return None
         del request.meta[TICKET_META]
-        task = asyncio.ensure_future(self._park(request, ticket))
+        # Its lease goes once it is parked (in Redis again), not when the engine is done.
+        lease = request.meta.pop(LEASE_META, None)
+        task = asyncio.ensure_future(self._park(request, ticket, lease))
         self._parking_tasks.add(task)
         task.add_done_callback(self._parking_tasks.discard)
         return True
@@ -534,11 +559,12 @@ class ParkingArea:
         return (
             bool(self._ready or self._parking_tasks or self.store.parked)
             or self._wake_up.is_set()  # a park that the parked count may not show yet
+            or (self.leases is not None and not self.leases.looked)
         )
 
-    async def _park(self, request: Request, ticket: Ticket) -> None:
+    async def _park(self, request: Request, ticket: Ticket, lease: object = None) -> None:
         try:
-            await self.store.park(request, ticket)
+            await self._park_leased(request, ticket, lease)
         except Unparkable as error:
             self._crawler.stats.inc_value(f"{STATS_PREFIX}/unparkable")
             if not self._unparkable_logged:
@@ -567,6 +593,18 @@ class ParkingArea:
             # Due before the release loop looks again (a park done while it looks is seen by
             # _release_due itself): one more unpark call, only then.
             self._wake_up.set()
+
+    async def _park_leased(self, request: Request, ticket: Ticket, lease: object) -> None:
+        """Park *request*, whose *lease* (taken out of its meta, so that the engine's end of
+        it does not acknowledge it) goes once it is parked; not parked, it keeps it."""
+        try:
+            await self.store.park(request, ticket)
+        except BaseException:
+            if lease is not None:
+                request.meta[LEASE_META] = lease
+            raise
+        if self.leases is not None:
+            self.leases.release(lease)
 
     def _give_back(self, request: Request, ticket: Ticket) -> None:
         # engine.crawl() queues it (enqueue_request above) and wakes the engine up.
@@ -699,10 +737,9 @@ class ParkingArea:
         while self._ready:
             request, ticket = self._ready.popleft()
             now = asyncio.get_running_loop().time()
+            again = replace(ticket, due=now, reserved=False, locally=False)
             try:
-                await self.store.park(
-                    request, replace(ticket, due=now, reserved=False, locally=False)
-                )
+                await self._park_leased(request, again, request.meta.pop(LEASE_META, None))
             except Unparkable:  # (waiting in the downloader, it was counted and logged)
                 lost += 1
             except Exception:
@@ -736,7 +773,7 @@ def engine_scheduler(crawler: Crawler) -> BaseScheduler | None:
 
 
 def attach(
-    crawler: Crawler, crawl: CrawlSettings, scheduler: BaseScheduler, rejections: Rejections
+    crawler: Crawler, config: ThrottleConfig, scheduler: BaseScheduler, rejections: Rejections
 ) -> ParkingArea:
     """Attach a parking area to the engine's *scheduler*, whatever its class: its
     ``enqueue_request``, ``next_request``, ``has_pending_requests`` and ``close`` are wrapped
@@ -745,16 +782,21 @@ def attach(
     dropped at its close as its own queue is."""
     spider = crawler.spider
     assert spider is not None
+    crawl = config.crawl
     if isinstance(scheduler, ScrapyRedisScheduler):
         # In scrapy-redis's Redis, with the queue (not in the throttle's, which may be another):
         # parked requests are part of the queue and share its fate.
-        key = parking_key(scheduler.queue_key % {"spider": spider.name})
+        queue_key = scheduler.queue_key % {"spider": spider.name}
+        key = parking_key(queue_key)
         if scheduler.flush_on_start:
-            scheduler.server.delete(key, moments_key(key))
+            leased = scheduler.server.scan_iter(leases_key(queue_key, "*"))
+            scheduler.server.delete(key, moments_key(key), lessees_key(queue_key), *leased)
         if isinstance(crawl.queue_redis, ThrottleConfigError):
             raise crawl.queue_redis
         url, params = crawl.queue_redis
-        store = RedisParking(connect_url(url, params, PARKING_CONNECTIONS), key, spider, rejections)
+        redis = connect_url(url, params, PARKING_CONNECTIONS)
+        leases = _leases(crawler, scheduler, redis, key, config.lease_ttl)
+        store = RedisParking(redis, key, spider, rejections, leases)
         # Known from the start, so that the spider neither closes nor idles on a guess (read
         # synchronously, as scrapy-redis itself reads its queue's length at start).
         store.parked = int(scheduler.server.zcard(key))
@@ -777,15 +819,53 @@ def attach(
     return area
 
 
+def _leases(
+    crawler: Crawler, scheduler: ScrapyRedisScheduler, redis: Redis, parking: str, ttl: float
+) -> Leases | None:
+    """Leases on what this worker takes from scrapy-redis's queue and the parking set: its
+    queue's ``pop`` and the engine's end of a request are wrapped on their instances."""
+    queue = scheduler.queue
+    kind = queue_kind(queue)
+    slot: Any = getattr(crawler.engine, "_slot", None)
+    if kind is None or not callable(getattr(slot, "remove_request", None)):
+        logger.warning(
+            "Redis throttle: no leases on the requests of %s (a queue class of scrapy-redis, "
+            "and Scrapy's engine, are needed): a worker that dies loses those it took",
+            type(queue).__name__,
+        )
+        return None
+    leases = Leases(scheduler.server, redis, queue, kind, parking, crawler.stats, ttl)
+    queue.pop = functools.partial(leases.pop, queue.pop)
+    remove_request = slot.remove_request
+
+    def done(request: Request) -> None:
+        leases.acknowledge(request)
+        remove_request(request)
+
+    slot.remove_request = done
+    leases.start()
+    return leases
+
+
 def _wrap(scheduler: BaseScheduler, area: ParkingArea) -> None:
     enqueue_request = scheduler.enqueue_request
     next_request = scheduler.next_request
     has_pending_requests = scheduler.has_pending_requests
     close: Callable[[str], Deferred[None] | None] | None = getattr(scheduler, "close", None)
 
+    leases = getattr(area.store, "leases", None)
+
     def enqueue(request: Request) -> bool:
         taken = area.enqueue_request(request)
-        return enqueue_request(request) if taken is None else taken
+        if taken is not None:
+            return taken
+        # A retry, a redirect or a request given back: once in the queue, the lease it carries
+        # (its original's) goes; popped again, it is leased again.
+        lease = request.meta.pop(LEASE_META, None)
+        queued = enqueue_request(request)
+        if leases is not None:
+            leases.release(lease)
+        return queued
 
     # scrapy-redis's SCHEDULER_IDLE_BEFORE_CLOSE: with an empty FIFO or LIFO queue, its
     # next_request blocks the reactor that long (BRPOP) waiting for more, before the spider may

@@ -130,3 +130,14 @@ def parking_key(queue_key: str) -> str:
 def moments_key(parking: str) -> str:
     """The index of the reserved moments of the requests parked in *parking* (see park.lua)."""
     return f"{parking}:moments"
+
+
+def leases_key(queue_key: str, worker: str) -> str:
+    """The requests *worker* took from beside scrapy-redis's queue *queue_key* and has not
+    finished with (see ``lua/lease_pop.lua``)."""
+    return f"{queue_key}:leases:{worker}"
+
+
+def lessees_key(queue_key: str) -> str:
+    """The workers holding leases on the requests of *queue_key*, and until when."""
+    return f"{queue_key}:lessees"
