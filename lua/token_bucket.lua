@@ -30,8 +30,9 @@
 -- nothing is taken from any of them when one refuses, and the wait is the longest (or longer:
 -- until a fixed window with room for it).
 --
--- Returns {status, retry_after_us, reset_after_us, now_us[, remaining]}, integers (cheaper for
--- Redis to reply than formatted floats; a microsecond is far below any rate's precision):
+-- Returns {status, retry_after_us, reset_after_us, now_us[, remaining][, step]}, integers
+-- (cheaper for Redis to reply than formatted floats; a microsecond is far below any rate's
+-- precision):
 --   status          1: the request may go now (its tokens are taken);
 --                   2: reserved, it must go in retry_after_us (its tokens are taken);
 --                   0: refused, nothing is taken; it could go in retry_after_us;
@@ -45,6 +46,8 @@
 --                   (which may be late), so that its request goes at the moment Redis gave it
 --   remaining       with more limits: the requests they allow after this one, now (0 when it
 --                   must wait)
+--   step            with status 2, last: µs the reservation added to the bucket's time, for
+--                   unreserve.lua (with reset_after: the bucket's time after it)
 
 -- ARGV[index] (or default) as a number, else an error reply naming the argument: finite, and
 -- above minimum (or equal to it when inclusive).
@@ -302,8 +305,12 @@ if wait > reserve then
 end
 
 local moment = now + wait
--- A moment the quotas put after the bucket's: the bucket counts the request then.
-local new_tat = math.ceil((limits and math.max(tat, moment) or tat) + cost * interval)
+-- A moment the quotas put after the bucket's: the bucket counts the request then. Whole µs,
+-- rounded up (the polite side): the time the request adds to, and the step it adds, which
+-- unreserve.lua takes back out when a reserved request does not go.
+local base = math.ceil(limits and math.max(tat, moment) or tat)
+local new_tat = math.ceil(base + cost * interval)
+local step = new_tat - base
 local reset_after = new_tat - now
 if live == "" then
   -- The key lives exactly as long as the bucket is not full: idle domains vanish.
@@ -312,7 +319,10 @@ else
   redis.call("SET", KEYS[1], string.format("%d", new_tat) .. live)  -- lives as long as its limit
 end
 if not limits then
-  return {wait > 0 and 2 or 1, wait, reset_after, now}
+  if wait > 0 then
+    return {2, wait, reset_after, now, step}
+  end
+  return {1, wait, reset_after, now}
 end
 
 -- The requests each quota allows after this one, now (none when it must wait).
@@ -367,4 +377,7 @@ if longest_window > 0 then
   end
   redis.call("PEXPIRE", KEYS[4], math.ceil((last + longest_window - now) / 1000))
 end
-return {wait > 0 and 2 or 1, wait, reset_after, now, math.floor(math.max(0, remaining))}
+if wait > 0 then
+  return {2, wait, reset_after, now, 0, step}
+end
+return {1, wait, reset_after, now, math.floor(math.max(0, remaining))}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from redis.crc import key_slot
 
@@ -17,6 +17,7 @@ from .redis_schema import (
     PROBE_SUFFIX,
     QUOTA_SUFFIX,
     RATE_SUFFIX,
+    UNRESERVED_SUFFIX,
     bucket_key,
     penalty_channel,
     penalty_key,
@@ -28,8 +29,18 @@ from .scripts import lua_script
 from .server_clock import ServerClock
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from .config import Adaptive, Backoff
     from .connection import ThrottleRedis
+
+
+class Reservation(NamedTuple):
+    """A moment reserved in a domain's bucket, as ``lua/unreserve.lua`` gives it back: the
+    bucket's time right *after* it (µs since the scripts' epoch) and the *step* it added."""
+
+    after: int
+    step: int
 
 
 @dataclass(frozen=True)
@@ -53,11 +64,17 @@ class AcquireResult:
     moment_us: float | None = None
     """When the request may go by Redis's clock (µs since the scripts' epoch): the moment
     Redis gave it, exact in any process that knows Redis's clock. None: not given by Redis."""
+    reservation: Reservation | None = None
+    """Reserved in Redis: what to give back if the request does not go (see
+    :meth:`TokenBucket.unreserve`)."""
 
     def decided(self, now: float) -> float:
         """When it was decided, by the loop's clock at *now*."""
         return now if self.decided_at is None else self.decided_at
 
+
+# Reservations given back in one call: lua/unreserve.lua's MAX_PAIRS.
+UNRESERVE_BATCH = 1000
 
 # How often the requests of a domain paused live ask whether it was resumed.
 PAUSED_POLL = 2.0
@@ -65,8 +82,12 @@ PAUSED_POLL = 2.0
 
 def parse_reply(reply: list[Any], limit: Limit, decided_at: float | None = None) -> AcquireResult:
     """The result of ``token_bucket.lua``'s reply (integers: status, microseconds, Redis's time,
-    and the requests the quotas allow when it checked some), decided at *decided_at*."""
+    the requests the quotas allow when it checked some, and a reservation's step), decided at
+    *decided_at*."""
     status, retry_after_us, reset_after_us, now_us, *quotas_left = reply
+    reservation = None
+    if status == 2:
+        reservation = Reservation(now_us + reset_after_us, quotas_left.pop())
     if status == 3:
         return AcquireResult(
             False, False, 0.0, PAUSED_POLL, 0.0, paused=True, decided_at=decided_at
@@ -81,6 +102,7 @@ def parse_reply(reply: list[Any], limit: Limit, decided_at: float | None = None)
         reset_after=reset_after_us / 1e6,
         decided_at=decided_at,
         moment_us=float(now_us + retry_after_us),
+        reservation=reservation,
     )
 
 
@@ -167,6 +189,7 @@ class TokenBucket:
         self._penalty_script = lua_script(redis, "penalty.lua")
         self._slow_down_script = lua_script(redis, "slow_down.lua")
         self._voided_script = lua_script(redis, "voided.lua")
+        self._unreserve_script = lua_script(redis, "unreserve.lua")
 
     async def acquire(
         self, domain: str, limit: Limit, cost: float = 1, reserve: float = 0, busy_for: float = 0
@@ -275,8 +298,30 @@ class TokenBucket:
         age_us, left_us = reply
         return Voiding(age_us / 1e6, left_us / 1e6)
 
+    async def unreserve(self, domain: str, reservations: Sequence[Reservation]) -> int:
+        """Give *domain*'s bucket back *reservations* whose requests will not go (see
+        ``lua/unreserve.lua``): those that are the last ones reserved at once, the others when
+        the ones after them are given back too. Return how many the bucket took back now."""
+        keys = [bucket_key(self._key_prefix, domain)]
+        keys.append(keys[0] + UNRESERVED_SUFFIX)
+        taken = 0
+        # Latest first: each call takes out what it can from the bucket's end.
+        ordered = sorted(reservations, reverse=True)
+        for start in range(0, len(ordered), UNRESERVE_BATCH):
+            batch = ordered[start : start + UNRESERVE_BATCH]
+            args = [str(value) for reservation in batch for value in reservation]
+            taken_now, _ = await self._unreserve_script(keys=keys, args=args)
+            taken += taken_now
+        return taken
+
     async def aclose(self) -> None:
-        scripts = (self._script, self._penalty_script, self._slow_down_script, self._voided_script)
+        scripts = (
+            self._script,
+            self._penalty_script,
+            self._slow_down_script,
+            self._voided_script,
+            self._unreserve_script,
+        )
         for script in scripts:
             await script.aclose()
 

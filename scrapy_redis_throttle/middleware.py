@@ -134,7 +134,9 @@ class RedisThrottleMiddleware:
             )
             return
         try:
-            self.parking = attach(self.crawler, self.config, scheduler, self.rejections)
+            self.parking = attach(
+                self.crawler, self.config, scheduler, self.rejections, self.budget.unreserve
+            )
         except Exception:
             # Without parking the throttle still works: the rest of the start must happen.
             logger.exception(

@@ -37,7 +37,7 @@ import uuid
 from collections import deque
 from contextlib import suppress
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 from weakref import WeakKeyDictionary, WeakSet
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -46,18 +46,25 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from scrapy.utils.defer import deferred_from_coro, maybe_deferred_to_future
 from scrapy_redis.scheduler import Scheduler as ScrapyRedisScheduler
 
+from .bucket import Reservation
 from .config import STATS_PREFIX
 from .connection import connect_url
 from .errors import ThrottleConfigError
 from .leases import LEASE_META, Leases, queue_kind
 from .penalties import CLOCK_MARGIN
-from .redis_schema import leases_key, lessees_key, moments_key, parking_key
+from .redis_schema import (
+    MAX_MOMENT_US,
+    leases_key,
+    lessees_key,
+    moments_key,
+    parking_key,
+)
 from .request_codec import Unparkable, decode_request, encode_request
 from .scripts import lua_script
 from .server_clock import ServerClock
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable
 
     from redis.asyncio import Redis
     from scrapy import Request, Spider
@@ -67,6 +74,10 @@ if TYPE_CHECKING:
 
     from .config import ThrottleConfig
     from .rejections import Rejections
+
+    Unreserve = Callable[[str, list[Reservation]], Awaitable[object]]
+    """Gives a throttle key's bucket back reservations (:meth:`.ResilientBucket.unreserve`):
+    None when Redis could not be told."""
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +109,11 @@ PARKING_CONNECTIONS = 1
 FORGET_ATTEMPTS = 5
 # How soon to look again when the engine could take no request.
 BUSY_RETRY = 0.05
+# At a close that drops what is parked (no SCHEDULER_PERSIST), the requests whose reservations
+# are read to give back, at most (the rest expire with their moments, as after a crash), and how
+# many are read at once.
+DROPPED_READ = 10_000
+DROPPED_BATCH = 500
 # Names this process in the tickets it parks in Redis: its wall clock is theirs.
 _PROCESS = uuid.uuid4().hex
 
@@ -130,6 +146,10 @@ class Ticket:
     from scrapy-redis's Redis, is only as exact as this process knows that Redis's clock
     (from a few replies, which a busy process reads late)."""
 
+    reservation: Reservation | None = None
+    """Reserved in Redis: what its bucket takes back when the request is dropped or asks anew
+    instead (see :meth:`.TokenBucket.unreserve`)."""
+
     def moment(self, clock: ServerClock) -> float:
         """The loop time of its reserved moment: by *clock* (the throttle's Redis's) when it
         knows it, else the due the parking area told."""
@@ -147,6 +167,7 @@ class Ticket:
             self.locally,
             self.waiting_since,
             self.moment_us,
+            None if self.reservation is None else list(self.reservation),
         ]
 
     @classmethod
@@ -155,13 +176,14 @@ class Ticket:
         unexpected counts as no reservation (the request asks again)."""
         if (
             isinstance(value, list)
-            and len(value) == 6
+            # (6: parked by an earlier version, with no reservation to give back)
+            and len(value) in (6, 7)
             and isinstance(value[0], bool)
             and isinstance(value[3], bool)
             and all(_is_time(value[n]) for n in (1, 4))
             and (value[5] is None or _is_time(value[5]))
         ):
-            reserved, reserved_at, process, locally, waiting_since, moment_us = value
+            reserved, reserved_at, process, locally, waiting_since, moment_us = value[:6]
             elsewhere = process != _PROCESS
             # Moments reserved in another process's own buckets hold nothing here.
             reserved = reserved and not (locally and elsewhere)
@@ -174,9 +196,31 @@ class Ticket:
                 float(waiting_since),
                 elsewhere,
                 None if moment_us is None else float(moment_us),
+                _reservation(value[6]) if reserved and len(value) == 7 else None,
             )
         now = time.time()
         return cls(key, due, False, False, now, now, elsewhere=True)
+
+
+def _unused(ticket: Ticket) -> tuple[str, Reservation] | None:
+    """The reservation of a request that will not go at its moment, to give back (None: it
+    holds none in Redis)."""
+    if ticket.reserved and ticket.reservation is not None:
+        return ticket.key, ticket.reservation
+    return None
+
+
+def _reservation(value: object) -> Reservation | None:
+    """A reservation read back from Redis: two whole numbers (``lua/unreserve.lua`` refuses
+    others, which would fail the close's call for the whole domain), else none."""
+    if (
+        isinstance(value, list)
+        and len(value) == 2
+        and all(isinstance(n, int) and not isinstance(n, bool) for n in value)
+        and 0 < value[1] <= value[0] < MAX_MOMENT_US
+    ):
+        return Reservation(value[0], value[1])
+    return None
 
 
 def _is_time(value: object) -> bool:
@@ -188,6 +232,15 @@ def _is_time(value: object) -> bool:
         return math.isfinite(value)
     except OverflowError:
         return False
+
+
+class Closed(NamedTuple):
+    """What a parking store held at its close."""
+
+    parked: int
+    """Requests parked."""
+    dropped: list[tuple[str, Reservation]]
+    """The reservations of those dropped (with their throttle keys): unused, to give back."""
 
 
 Parked = tuple["Request", Ticket]
@@ -218,8 +271,8 @@ class ParkingStore(Protocol):
         how many."""
         ...
 
-    async def close(self, keep: bool) -> int:
-        """Close the store; unless *keep*, drop what is parked. Return how many were parked."""
+    async def close(self, keep: bool) -> Closed:
+        """Close the store; unless *keep*, drop what is parked."""
         ...
 
 
@@ -280,14 +333,16 @@ class MemoryParking:
         if reserved is not None and reserved.pop(order, None) is not None and not reserved:
             del self._reserved[key]
 
-    async def close(self, keep: bool) -> int:
-        parked = [request for _, _, request, _ in sorted(self._heap)]
+    async def close(self, keep: bool) -> Closed:
+        entries = sorted(self._heap)
         self._heap.clear()
         self._reserved.clear()
         if keep and self._keep_into is not None:
-            for request in parked:
+            for _, _, request, _ in entries:
                 self._keep_into(request)
-        return len(parked)
+            return Closed(len(entries), [])
+        dropped = [unused for *_, ticket in entries if (unused := _unused(ticket)) is not None]
+        return Closed(len(entries), dropped)
 
 
 class RedisParking:
@@ -427,18 +482,46 @@ class RedisParking:
             if not last:
                 return released
 
-    async def close(self, keep: bool) -> int:
+    async def close(self, keep: bool) -> Closed:
         try:
             if self.leases is not None:
                 await self.leases.close(keep)
             parked = int(await self._redis.zcard(self.key))
-            if not keep:
-                await self._redis.delete(self.key, self.index_key)
-            return parked
+            if keep or not parked:
+                return Closed(parked, [])
+            return Closed(parked, await self._drop())
         finally:
             for script in (self._park_script, self._unpark_script, self._void_script):
                 await script.aclose()
             await self._redis.aclose(close_connection_pool=True)
+
+    async def _drop(self) -> list[tuple[str, Reservation]]:
+        """Drop what is parked; return the reservations of the first :data:`DROPPED_READ`
+        dropped requests. Those are taken out one batch at a time (ZPOPMIN), out of the others'
+        reach: a request another worker takes meanwhile goes at its moment, and must not be
+        given back."""
+        unused = []
+        for _ in range(0, DROPPED_READ, DROPPED_BATCH):
+            popped = cast(
+                "list[tuple[bytes, float]]", await self._redis.zpopmin(self.key, DROPPED_BATCH)
+            )
+            unused += [found for member, _ in popped if (found := self._reserved_in(member))]
+            if len(popped) < DROPPED_BATCH:
+                break
+        await self._redis.delete(self.key, self.index_key)
+        return unused
+
+    def _reserved_in(self, member: bytes) -> tuple[str, Reservation] | None:
+        """The reservation a member of the parking set holds (None: none, or not a member a
+        worker of this version parked)."""
+        try:
+            flag, key, encoded = read_member(member)
+            if flag != _INDEXED:
+                return None
+            request = decode_request(encoded, self._spider)
+        except Exception:  # (a ValueError, unless a bug: either way, none; dropped anyway)
+            return None
+        return _unused(Ticket.from_wire(request.meta.get(TICKET_META), key, 0.0))
 
 
 def _indexed_key(key: str) -> bytes:
@@ -471,7 +554,14 @@ class ParkingArea:
     scheduler's own; the spider stays open while any are parked. At the close, what is parked
     is kept when *keep* (else dropped and counted)."""
 
-    def __init__(self, crawler: Crawler, store: ParkingStore, keep: bool, concurrency: int) -> None:
+    def __init__(
+        self,
+        crawler: Crawler,
+        store: ParkingStore,
+        keep: bool,
+        concurrency: int,
+        unreserve: Unreserve | None = None,
+    ) -> None:
         self.store = store
         # With scrapy-redis's queue: what this worker takes from Redis is leased.
         self.leases: Leases | None = getattr(store, "leases", None)
@@ -495,6 +585,7 @@ class ParkingArea:
         # Voidings not yet passed on to the store: throttle key -> (heard, until).
         self._voidings: dict[str, tuple[float, float]] = {}
         self._concurrency = concurrency
+        self._unreserve = unreserve
         self._releaser = asyncio.ensure_future(self._release_loop())
 
     def voided(self, key: str, heard: float, until: float) -> None:
@@ -733,11 +824,15 @@ class ParkingArea:
         if self._parking_tasks:
             await asyncio.gather(*self._parking_tasks, return_exceptions=True)
         lost = 0
-        # Given back but not yet taken by the engine: park them again, due at once.
+        unused: list[tuple[str, Reservation]] = []
+        # Given back but not yet taken by the engine: park them again, due at once, to ask
+        # anew (their moments are too close to wait parked for).
         while self._ready:
             request, ticket = self._ready.popleft()
+            if (reservation := _unused(ticket)) is not None:
+                unused.append(reservation)
             now = asyncio.get_running_loop().time()
-            again = replace(ticket, due=now, reserved=False, locally=False)
+            again = replace(ticket, due=now, reserved=False, locally=False, reservation=None)
             try:
                 await self._park_leased(request, again, request.meta.pop(LEASE_META, None))
             except Unparkable:  # (waiting in the downloader, it was counted and logged)
@@ -746,10 +841,11 @@ class ParkingArea:
                 logger.exception("Redis throttle: could not park %s again at the close", request)
                 lost += 1
         try:
-            parked = await self.store.close(self._keep)
+            parked, dropped = await self.store.close(self._keep)
         except Exception:
             logger.exception("Redis throttle: could not close the parking area")
-            parked = 0
+            parked, dropped = 0, []
+        await self._give_back_reservations([*unused, *dropped])
         if self._keep and parked:
             logger.info("Redis throttle: %d parked requests are kept for the next run", parked)
         not_crawled = lost + (0 if self._keep else parked)
@@ -760,6 +856,27 @@ class ParkingArea:
                 "their domains' budgets when the spider closed)",
                 not_crawled,
             )
+
+    async def _give_back_reservations(self, unused: list[tuple[str, Reservation]]) -> None:
+        """Give the buckets back the moments reserved for requests that will not go at them
+        (see :meth:`.TokenBucket.unreserve`): a fleet that starts again does not wait for
+        them."""
+        if not unused or self._unreserve is None:
+            return
+        by_key: dict[str, list[Reservation]] = {}
+        for key, reservation in unused:
+            by_key.setdefault(key, []).append(reservation)
+        given = 0
+        for key, reservations in by_key.items():
+            if await self._unreserve(key, reservations) is not None:
+                given += len(reservations)
+        if given:
+            self._crawler.stats.inc_value(f"{STATS_PREFIX}/unreserved", given)
+        logger.info(
+            "Redis throttle: %(given)d of the %(unused)d moments reserved for requests that "
+            "will not go at them were given back to their buckets",
+            {"given": given, "unused": len(unused)},
+        )
 
 
 def engine_scheduler(crawler: Crawler) -> BaseScheduler | None:
@@ -773,7 +890,11 @@ def engine_scheduler(crawler: Crawler) -> BaseScheduler | None:
 
 
 def attach(
-    crawler: Crawler, config: ThrottleConfig, scheduler: BaseScheduler, rejections: Rejections
+    crawler: Crawler,
+    config: ThrottleConfig,
+    scheduler: BaseScheduler,
+    rejections: Rejections,
+    unreserve: Unreserve | None = None,
 ) -> ParkingArea:
     """Attach a parking area to the engine's *scheduler*, whatever its class: its
     ``enqueue_request``, ``next_request``, ``has_pending_requests`` and ``close`` are wrapped
@@ -801,7 +922,11 @@ def attach(
         # synchronously, as scrapy-redis itself reads its queue's length at start).
         store.parked = int(scheduler.server.zcard(key))
         area = ParkingArea(
-            crawler, store, keep=bool(scheduler.persist), concurrency=crawl.concurrent_requests
+            crawler,
+            store,
+            keep=bool(scheduler.persist),
+            concurrency=crawl.concurrent_requests,
+            unreserve=unreserve,
         )
     else:
         enqueue = scheduler.enqueue_request
@@ -813,7 +938,11 @@ def attach(
             enqueue(request.replace(dont_filter=True))
 
         area = ParkingArea(
-            crawler, MemoryParking(keep_into), keep=on_disk, concurrency=crawl.concurrent_requests
+            crawler,
+            MemoryParking(keep_into),
+            keep=on_disk,
+            concurrency=crawl.concurrent_requests,
+            unreserve=unreserve,
         )
     _wrap(scheduler, area)
     return area

@@ -24,6 +24,9 @@ import re
 # The scripts count Redis's time in µs from this epoch (2024-01-01), to keep the numbers small
 # enough for sub-µs precision in doubles.
 EPOCH = 1704067200
+# No moment the scripts reserve is further from the epoch than this (µs, ~31 years: they reserve
+# at most lua/prelude.lua's MAX_AHEAD ahead).
+MAX_MOMENT_US = 10**15
 
 
 def server_micros(seconds: float, micros: float) -> float:
@@ -75,6 +78,7 @@ QUOTA_SUFFIX = ":quota"
 LOG_SUFFIX = ":log"
 PROBE_SUFFIX = ":probe"
 VOID_SUFFIX = ":void"
+UNRESERVED_SUFFIX = ":unreserved"
 
 
 def penalty_key(prefix: str, domain: str) -> str:

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
     from scrapy.statscollectors import StatsCollector
 
-    from .bucket import Penalty, SlowDown, Voiding
+    from .bucket import Penalty, Reservation, SlowDown, Voiding
     from .config import ThrottleConfig
     from .connection import ThrottleRedis
     from .rates import Limit
@@ -386,6 +386,13 @@ class ResilientBucket:
         if adaptive is None or self.breaker.open_for() is not None:
             return None
         return await self._answered(key, self._bucket.slow_down(key, limit, adaptive, age, hold))
+
+    async def unreserve(self, key: str, reservations: list[Reservation]) -> int | None:
+        """Give *key*'s bucket back *reservations* (see :meth:`.TokenBucket.unreserve`); None
+        when Redis could not be told (they expire with their moments)."""
+        if self.breaker.open_for() is not None:
+            return None
+        return await self._answered(key, self._bucket.unreserve(key, reservations))
 
     async def _answered(self, key: str, call: Awaitable[_T]) -> _T | None:
         """:meth:`_guarded`, with a refused call taken as no answer."""

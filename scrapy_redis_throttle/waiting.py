@@ -252,5 +252,15 @@ class Turns:
         self._stats.inc_value(f"{STATS_PREFIX}/park_requests")
         self._activity.park(key, 1)
         due = result.decided(asyncio.get_running_loop().time()) + delay
-        exact = result.moment_us if result.reserved and grant.shared else None
-        return Ticket(key, due, result.reserved, not grant.shared, asked_at, since, False, exact)
+        shared = result.reserved and grant.shared
+        return Ticket(
+            key,
+            due,
+            result.reserved,
+            not grant.shared,
+            asked_at,
+            since,
+            False,
+            result.moment_us if shared else None,
+            result.reservation if shared else None,
+        )

@@ -213,6 +213,7 @@ def crawl_through_failover(
     fail_over: Callable[[], None],
     failed_over: Callable[[], bool],
     killed: bool,
+    after_failover: Callable[[], None] | None = None,
 ) -> None:
     """Two worker processes crawl a domain at 10/s; after 20 arrivals, *fail_over* makes the
     primary of its keys fail over (asked for, or *killed*), and *failed_over* tells when a
@@ -220,7 +221,8 @@ def crawl_through_failover(
     answers, as the "local" policy paces (each worker at 10/s / 2 on its own, and one request
     more each at a switch; and one moment may be handed out twice, a write the old primary had
     not passed on). The fleet must not pause: the longest gap between arrivals is printed, with how long
-    the failover took."""
+    the failover took. *after_failover* is called once a replica took over, the fleet still
+    crawling."""
     # Two requests at a time per worker: they ask Redis all along, through the failover.
     settings = {**settings, "REDIS_THROTTLE_FALLBACK_WORKERS": 2, "CONCURRENT_REQUESTS": 2}
     host = FAILOVER_HOST
@@ -233,6 +235,8 @@ def crawl_through_failover(
         fail_over()
         wait_until(failed_over, 30, "the failover")
         switched = time.monotonic()
+        if after_failover is not None:
+            after_failover()
         all_stats = finish_crawl_workers(workers, 120)
         arrivals = site.arrivals(host)
 

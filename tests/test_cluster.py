@@ -225,6 +225,33 @@ async def test_script_calls_follow_ask_and_moved_and_run_once(redis_cluster: Loc
 
 
 @async_test
+async def test_reserved_moments_go_back_on_a_cluster(redis_cluster: LocalCluster) -> None:
+    """The bucket and its moments set aside are in one slot: given back on the primary that
+    serves it, whichever that is for each domain."""
+    client = connect(
+        ThrottleConfig.from_settings(
+            Settings({"REDIS_URL": UNUSED_URL, **redis_cluster.settings()})
+        )
+    )
+    bucket = TokenBucket(client, PREFIX)
+    limit = Limit(rate=1 / 60, burst=1, text="none back during the test")
+    try:
+        for domain in (A, B, C):
+            first = await bucket.acquire(domain, limit, reserve=600)
+            held = [await bucket.acquire(domain, limit, reserve=600) for _ in range(3)]
+            assert first.allowed
+            reservations = [result.reservation for result in held if result.reservation]
+            assert len(reservations) == 3
+            assert await bucket.unreserve(domain, reservations[:1]) == 0, "set aside"
+            assert await bucket.unreserve(domain, reservations[1:]) == 3, domain
+            again = await bucket.acquire(domain, limit, reserve=600)
+            assert again.reservation == held[0].reservation, "the first moment given back"
+    finally:
+        await bucket.aclose()
+        await close(client)
+
+
+@async_test
 async def test_the_probe_of_a_failed_call_goes_to_its_primary(redis_cluster: LocalCluster) -> None:
     """After a call for A failed, the breaker's probe must ask A's primary: another primary may
     answer while A's is down, and closing the breaker then would switch back and forth."""

@@ -34,6 +34,7 @@ from support import (
     wait_until_async,
 )
 
+from scrapy_redis_throttle.bucket import Reservation
 from scrapy_redis_throttle.control import LiveControl
 from scrapy_redis_throttle.parking import (
     MOMENT_AGREES,
@@ -179,9 +180,17 @@ async def test_parked_requests_not_kept_are_counted_and_logged(
     assert len(site.arrivals(SLOW)) == 1
     assert crawler.stats.get_value("redis_throttle/parked_not_crawled") == 2
     assert any("2 parked requests were not crawled" in r.getMessage() for r in caplog.records)
-    if scheduler != "scrapy":
-        with redis_server.client() as client:
+    # Their moments, 30 and 60 s after the first request's, are given back: the bucket is as
+    # the first request left it, and a crawl started now waits no longer than it would have.
+    assert crawler.stats.get_value("redis_throttle/unreserved") == 2
+    assert any("2 of the 2 moments reserved" in r.getMessage() for r in caplog.records)
+    with redis_server.client() as client:
+        (arrival,) = site.arrivals(SLOW)
+        until_full = client.pttl(f"redis_throttle:{{{SLOW}}}") / 1000
+        assert until_full <= 30 - (time.monotonic() - arrival.time), f"full in {until_full} s"
+        if scheduler != "scrapy":
             assert client.exists("url_list:requests:parked") == 0, "dropped from Redis"
+            assert client.keys("url_list:requests:parked:*") == [], "nor left aside"
 
 
 @async_test
@@ -417,6 +426,28 @@ def test_tickets_read_back_from_redis_are_parsed_strictly() -> None:
         assert (hostile.reserved, hostile.moment_us, hostile.due) == (False, None, 5.0), moment
     assert Ticket.from_wire([True, 10**400, "p", False, now, None], SLOW, 5.0).reserved is False
     assert Ticket.from_wire([True, now, "p", False, now], SLOW, 5.0).reserved is False
+    # Its reservation, to give back at a close: two whole numbers, the step at most the time
+    # after; anything else is none to give back (an error would fail its whole domain's call).
+    fields = [True, now, "p", False, now, 1e15]
+    given = Ticket.from_wire([*fields, [7_000_000, 2_000_000]], SLOW, 5.0)
+    assert given.reservation == Reservation(7_000_000, 2_000_000)
+    assert Ticket.from_wire(fields, SLOW, 5.0).reservation is None, "an earlier version's"
+    for reservation in (
+        None,
+        [7, 8],
+        [7, 0],
+        [7.5, 2],
+        [10**15, 2],
+        [True, 1],
+        ["7", "2"],
+        [7, 2, 1],
+        {"after": 7},
+        [[7], 2],
+    ):
+        hostile = Ticket.from_wire([*fields, reservation], SLOW, 5.0)
+        assert (hostile.reserved, hostile.reservation) == (True, None), reservation
+    unreserved = Ticket.from_wire([False, *fields[1:], [7_000_000, 2_000_000]], SLOW, 5.0)
+    assert unreserved.reservation is None, "nothing reserved, nothing to give back"
 
 
 @async_test

@@ -7,8 +7,10 @@ from typing import Any
 
 import pytest
 from demo_site import HOSTS, DemoSite
+from local_redis import RedisServer
 from redis_topologies import SERVICE, UNUSED_URL, SentinelSetup
 from support import (
+    SCRAPY_REDIS,
     assert_paced,
     crawl_settings,
     crawl_through_failover,
@@ -16,6 +18,7 @@ from support import (
     one_domain_jobs,
     start_crawl_workers,
     tool,
+    wait_until,
 )
 
 from scrapy_redis_throttle.redis_schema import bucket_key
@@ -68,6 +71,35 @@ def test_a_fleet_goes_on_through_a_failover(sentinel_setup: SentinelSetup, how: 
         lambda: sentinel_setup.primary_port() != old_primary,
         killed=how == "primary killed",
     )
+
+
+def test_leased_requests_are_crawled_once_through_a_failover(
+    sentinel_setup: SentinelSetup, redis_server: RedisServer
+) -> None:
+    """With scrapy-redis's scheduler: its queue, parking set and leases in its Redis, the
+    buckets in the one the sentinel names. The buckets' primary dies under the fleet: the
+    leases go on, and every page is fetched once."""
+    old_primary = sentinel_setup.primary_port()
+
+    def leasing() -> None:
+        with redis_server.client() as client:
+            wait_until(
+                lambda: any(client.scan_iter("*:leases:*")), 10, "the workers to hold leases"
+            )
+
+    crawl_through_failover(
+        # Persisted: the first worker done must not flush the queue the other still crawls.
+        crawl_settings(
+            redis_server.url, **sentinel_setup.settings(), **SCRAPY_REDIS, SCHEDULER_PERSIST=True
+        ),
+        redis_server.url,
+        sentinel_setup.primary.stop,
+        lambda: sentinel_setup.primary_port() != old_primary,
+        killed=True,
+        after_failover=leasing,
+    )
+    with redis_server.client() as client:
+        assert list(client.scan_iter("*:leases:*")) == [], "every lease acknowledged"
 
 
 def test_the_tool_finds_the_primary_through_the_sentinel(sentinel_setup: SentinelSetup) -> None:

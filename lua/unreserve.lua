@@ -1,0 +1,108 @@
+#!lua
+-- (Run as scripts.load_script gives it: with lua/prelude.lua, which it uses, put in after this line.)
+-- The shebang (Redis 7) declares a script that may write: a read-only replica or a Redis out of
+-- memory refuses every call up front, not only the calls that happen to write.
+-- Give a domain's bucket back moments a worker reserved (token_bucket.lua's status 2) and will
+-- not use: at a clean close, the requests holding them are dropped or parked again to ask
+-- anew. The next requests get those moments instead of waiting behind them: a fleet restarted
+-- after a close does not start behind its budget.
+--
+-- The bucket's state is one time, TAT (see token_bucket.lua): a reservation moved it from
+-- "before" to "after" (after = before + step). Only the last reservation can be taken out
+-- (TAT = after: TAT becomes before); taking one out of the middle would let a new request
+-- share the moment of one reserved after it. So a reservation that is not the last is set
+-- aside in KEYS[2], and taken out when every one after it has been (by this call or a later
+-- one, of any worker), or forgotten when the bucket is full again.
+--
+-- KEYS[1]  the domain's bucket key
+-- KEYS[2]  the domain's reservations set aside: a hash, field "after", value step (µs)
+-- ARGV     pairs "after step" (µs since the epoch, µs; as token_bucket.lua replied them), at
+--          most MAX_PAIRS pairs
+--
+-- Returns {taken out, set aside}: how many reservations (of this call's and of those set
+-- aside before) the bucket was given back, and how many of this call's were set aside.
+
+-- Bounds on the work of a call: its arguments, and the reservations it takes out (those set
+-- aside are at most the domain's reservations, which the workers bound).
+local MAX_PAIRS = 1000
+local MAX_TAKEN = 10000
+
+local now = server_now()
+if #ARGV % 2 ~= 0 or #ARGV > 2 * MAX_PAIRS then
+  return redis.error_reply("ERR redis_throttle: unreserve takes at most " .. MAX_PAIRS
+    .. " pairs of after and step, got " .. #ARGV .. " arguments")
+end
+local given = {}
+for index = 1, #ARGV, 2 do
+  local after, step = tonumber(ARGV[index]), tonumber(ARGV[index + 1])
+  -- Whole numbers: the bucket's times are (a field of KEYS[2] is one written with %d).
+  if not (after and step and after == math.floor(after) and step == math.floor(step)
+      and after < now + MAX_AHEAD and step > 0 and step <= after) then  -- (NaN fails too)
+    return redis.error_reply("ERR redis_throttle: a reservation is a whole after before now "
+      .. "+ 1e15 and a whole step > 0, at most after, got " .. tostring(ARGV[index]) .. " "
+      .. tostring(ARGV[index + 1]))
+  end
+  if after > now then  -- else its moment is spent, given back or not
+    given[after] = step
+  end
+end
+
+-- "<tat>" or "<tat> <rate> <burst> <paused>[ <more limits>]" (see token_bucket.lua); anything
+-- else is left alone, and so are the reservations.
+local state = redis.call("GET", KEYS[1]) or ""
+local tat, live = nil, ""
+if #state <= MAX_VALUE_BYTES then
+  tat = string.match(state, "^(%d+)$")
+  if not tat then
+    tat, live = string.match(state, "^(%d+)( %S+ %S+ [01] ?%S*)$")
+  end
+end
+tat = time_read(tat, now)
+
+local taken = 0
+if tat then
+  local from = tat
+  for _ = 1, MAX_TAKEN do
+    if tat <= now then
+      break  -- the bucket is full: what was reserved before is spent
+    end
+    local step = given[tat]
+    if step then
+      given[tat] = nil
+    else
+      local field = string.format("%d", tat)
+      step = number_read(redis.call("HGET", KEYS[2], field), tat + 1)
+      if not (step and step > 0 and step == math.floor(step)) then  -- none, or garbage
+        break
+      end
+      redis.call("HDEL", KEYS[2], field)
+    end
+    tat = tat - step
+    taken = taken + 1
+  end
+  if tat ~= from then
+    if tat <= now and live == "" then
+      redis.call("DEL", KEYS[1])  -- full: idle domains vanish, as in token_bucket.lua
+    elseif live == "" then
+      redis.call("SET", KEYS[1], string.format("%d", tat), "PX", math.ceil((tat - now) / 1000))
+    else
+      redis.call("SET", KEYS[1], string.format("%d", math.max(tat, now)) .. live)
+    end
+  end
+end
+
+-- What is not the last yet, while the bucket still holds it (below its time: one above was
+-- never in it, or is gone).
+local set_aside = 0
+for after, step in pairs(given) do
+  if tat and after <= tat then
+    redis.call("HSET", KEYS[2], string.format("%d", after), string.format("%d", step))
+    set_aside = set_aside + 1
+  end
+end
+if set_aside > 0 then
+  -- As long as the bucket holds a moment: every one set aside is below its time (one that
+  -- outlives it, a pause having moved the time, is none to take out any more).
+  redis.call("PEXPIRE", KEYS[2], math.ceil((tat - now) / 1000))
+end
+return {taken, set_aside}
