@@ -99,6 +99,7 @@ class TcpProxy:
         self.connections_accepted = 0
         self._refusing = False
         self._blackholed = False
+        self._replies_lost = False
         self._stopping = threading.Event()
         self._links: set[_Link] = set()
         self._lock = threading.Lock()
@@ -140,6 +141,10 @@ class TcpProxy:
 
     def blackhole(self, on: bool) -> None:
         self._blackholed = on
+
+    def lose_replies(self, on: bool) -> None:
+        """Requests still reach the server, which runs them; its replies are lost."""
+        self._replies_lost = on
 
     def __enter__(self) -> TcpProxy:
         return self.start()
@@ -198,7 +203,7 @@ class TcpProxy:
                     data = src.recv(CHUNK)
                     if not data:
                         eof = True
-                    elif not self._blackholed:
+                    elif not (self._blackholed or (replies and self._replies_lost)):
                         chunks += 1
                         when = time.monotonic() + self.latency
                         late = self.late_replies if replies else None

@@ -14,36 +14,53 @@
 -- aside in KEYS[2], and taken out when every one after it has been (by this call or a later
 -- one, of any worker), or forgotten when the bucket is full again.
 --
+-- A voiding (a limit set live, an adaptive decrease: see voided.lua) moves the bucket's time
+-- anew; a reservation made before it may share its "after" with one made since, and is void
+-- anyway: it is never taken out.
+--
 -- KEYS[1]  the domain's bucket key
--- KEYS[2]  the domain's reservations set aside: a hash, field "after", value step (µs)
--- ARGV     pairs "after step" (µs since the epoch, µs; as token_bucket.lua replied them), at
---          most MAX_PAIRS pairs
+-- KEYS[2]  the domain's reservations set aside: a hash, field "after", value "step at" (µs)
+-- KEYS[3]  the domain's void key (see voided.lua)
+-- ARGV     triples "after step at" (µs since the epoch, µs, and when Redis reserved it; as
+--          token_bucket.lua replied them), at most MAX_RESERVATIONS triples
 --
 -- Returns {taken out, set aside}: how many reservations (of this call's and of those set
 -- aside before) the bucket was given back, and how many of this call's were set aside.
 
 -- Bounds on the work of a call: its arguments, and the reservations it takes out (those set
 -- aside are at most the domain's reservations, which the workers bound).
-local MAX_PAIRS = 1000
+local MAX_RESERVATIONS = 1000
 local MAX_TAKEN = 10000
 
 local now = server_now()
-if #ARGV % 2 ~= 0 or #ARGV > 2 * MAX_PAIRS then
-  return redis.error_reply("ERR redis_throttle: unreserve takes at most " .. MAX_PAIRS
-    .. " pairs of after and step, got " .. #ARGV .. " arguments")
+if #ARGV % 3 ~= 0 or #ARGV > 3 * MAX_RESERVATIONS then
+  return redis.error_reply("ERR redis_throttle: unreserve takes at most " .. MAX_RESERVATIONS
+    .. " triples of after, step and at, got " .. #ARGV .. " arguments")
 end
+local voided_at = time_read(string.match(redis.call("GET", KEYS[3]) or "", "^(%d+) %d+$"), now)
+  or -1
+
+-- Whether a reservation may be taken out: made after the last voiding (numbers, or nil).
+local function current(step, at)
+  return step and at and at > voided_at
+end
+
 local given = {}
-for index = 1, #ARGV, 2 do
-  local after, step = tonumber(ARGV[index]), tonumber(ARGV[index + 1])
+for index = 1, #ARGV, 3 do
+  local after, step, at = tonumber(ARGV[index]), tonumber(ARGV[index + 1]),
+    tonumber(ARGV[index + 2])
   -- Whole numbers: the bucket's times are (a field of KEYS[2] is one written with %d).
-  if not (after and step and after == math.floor(after) and step == math.floor(step)
-      and after < now + MAX_AHEAD and step > 0 and step <= after) then  -- (NaN fails too)
+  if not (after and step and at and after == math.floor(after) and step == math.floor(step)
+      and at == math.floor(at) and after < now + MAX_AHEAD and step > 0 and step <= after
+      and at <= now) then  -- (NaN fails too)
     return redis.error_reply("ERR redis_throttle: a reservation is a whole after before now "
-      .. "+ 1e15 and a whole step > 0, at most after, got " .. tostring(ARGV[index]) .. " "
-      .. tostring(ARGV[index + 1]))
+      .. "+ 1e15, a whole step > 0, at most after, and a whole time at, not after now, got "
+      .. tostring(ARGV[index]) .. " " .. tostring(ARGV[index + 1]) .. " "
+      .. tostring(ARGV[index + 2]))
   end
-  if after > now then  -- else its moment is spent, given back or not
-    given[after] = step
+  -- A moment spent (given back or not), or void, is none to give back.
+  if after > now and current(step, at) then
+    given[after] = {step, at}
   end
 end
 
@@ -66,14 +83,17 @@ if tat then
     if tat <= now then
       break  -- the bucket is full: what was reserved before is spent
     end
-    local step = given[tat]
-    if step then
+    local step
+    if given[tat] then
+      step = given[tat][1]
       given[tat] = nil
     else
       local field = string.format("%d", tat)
-      step = number_read(redis.call("HGET", KEYS[2], field), tat + 1)
-      if not (step and step > 0 and step == math.floor(step)) then  -- none, or garbage
-        break
+      local aside_step, aside_at =
+        string.match(redis.call("HGET", KEYS[2], field) or "", "^(%d+) (%d+)$")
+      step = number_read(aside_step, tat + 1)
+      if not (step and step > 0 and current(step, time_read(aside_at, now))) then
+        break  -- none, void, or garbage
       end
       redis.call("HDEL", KEYS[2], field)
     end
@@ -94,9 +114,10 @@ end
 -- What is not the last yet, while the bucket still holds it (below its time: one above was
 -- never in it, or is gone).
 local set_aside = 0
-for after, step in pairs(given) do
+for after, reservation in pairs(given) do
   if tat and after <= tat then
-    redis.call("HSET", KEYS[2], string.format("%d", after), string.format("%d", step))
+    redis.call("HSET", KEYS[2], string.format("%d", after),
+      string.format("%d %d", reservation[1], reservation[2]))
     set_aside = set_aside + 1
   end
 end

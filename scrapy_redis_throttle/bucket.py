@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -22,6 +23,7 @@ from .redis_schema import (
     penalty_channel,
     penalty_key,
     rate_key,
+    secret_key,
     tagged_key,
     void_key,
 )
@@ -37,10 +39,21 @@ if TYPE_CHECKING:
 
 class Reservation(NamedTuple):
     """A moment reserved in a domain's bucket, as ``lua/unreserve.lua`` gives it back: the
-    bucket's time right *after* it (µs since the scripts' epoch) and the *step* it added."""
+    bucket's time right *after* it (µs since the scripts' epoch), the *step* it added, and when
+    Redis reserved it (*at*, µs since the epoch)."""
 
     after: int
     step: int
+    at: int
+
+
+class Unreserved(NamedTuple):
+    """What :meth:`TokenBucket.unreserve` did with the reservations given back."""
+
+    taken: int
+    """Taken out of the bucket (with those set aside before that they freed)."""
+    set_aside: int
+    """Set aside until the reservations after them are given back too."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +86,7 @@ class AcquireResult:
         return now if self.decided_at is None else self.decided_at
 
 
-# Reservations given back in one call: lua/unreserve.lua's MAX_PAIRS.
+# Reservations given back in one call: lua/unreserve.lua's MAX_RESERVATIONS.
 UNRESERVE_BATCH = 1000
 
 # How often the requests of a domain paused live ask whether it was resumed.
@@ -87,7 +100,7 @@ def parse_reply(reply: list[Any], limit: Limit, decided_at: float | None = None)
     status, retry_after_us, reset_after_us, now_us, *quotas_left = reply
     reservation = None
     if status == 2:
-        reservation = Reservation(now_us + reset_after_us, quotas_left.pop())
+        reservation = Reservation(now_us + reset_after_us, quotas_left.pop(), now_us)
     if status == 3:
         return AcquireResult(
             False, False, 0.0, PAUSED_POLL, 0.0, paused=True, decided_at=decided_at
@@ -298,21 +311,33 @@ class TokenBucket:
         age_us, left_us = reply
         return Voiding(age_us / 1e6, left_us / 1e6)
 
-    async def unreserve(self, domain: str, reservations: Sequence[Reservation]) -> int:
+    async def unreserve(self, domain: str, reservations: Sequence[Reservation]) -> Unreserved:
         """Give *domain*'s bucket back *reservations* whose requests will not go (see
         ``lua/unreserve.lua``): those that are the last ones reserved at once, the others when
-        the ones after them are given back too. Return how many the bucket took back now."""
-        keys = [bucket_key(self._key_prefix, domain)]
-        keys.append(keys[0] + UNRESERVED_SUFFIX)
-        taken = 0
+        the ones after them are given back too; none reserved before the domain's last
+        voiding."""
+        key = bucket_key(self._key_prefix, domain)
+        keys = [key, key + UNRESERVED_SUFFIX, void_key(self._key_prefix, domain)]
+        taken = set_aside = 0
         # Latest first: each call takes out what it can from the bucket's end.
         ordered = sorted(reservations, reverse=True)
         for start in range(0, len(ordered), UNRESERVE_BATCH):
             batch = ordered[start : start + UNRESERVE_BATCH]
             args = [str(value) for reservation in batch for value in reservation]
-            taken_now, _ = await self._unreserve_script(keys=keys, args=args)
-            taken += taken_now
-        return taken
+            reply = await self._unreserve_script(keys=keys, args=args)
+            taken, set_aside = taken + int(reply[0]), set_aside + int(reply[1])
+        return Unreserved(taken, set_aside)
+
+    async def load_secret(self) -> bytes:
+        """The fleet's secret (made by the first worker, kept in Redis): it seals what this
+        worker parks with a reservation, which only a worker of the fleet may then give back
+        (whoever may write into scrapy-redis's Redis could otherwise empty any bucket)."""
+        key = secret_key(self._key_prefix)
+        await self._redis.set(key, secrets.token_hex(32), nx=True)
+        secret = await self._redis.get(key)
+        if not isinstance(secret, bytes) or len(secret) < 32:
+            raise ValueError("the fleet's secret in Redis is not one a worker made")
+        return secret
 
     async def aclose(self) -> None:
         scripts = (

@@ -46,7 +46,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from scrapy.utils.defer import deferred_from_coro, maybe_deferred_to_future
 from scrapy_redis.scheduler import Scheduler as ScrapyRedisScheduler
 
-from .bucket import Reservation
+from .bucket import Reservation, Unreserved
 from .config import STATS_PREFIX
 from .connection import connect_url
 from .errors import ThrottleConfigError
@@ -75,9 +75,9 @@ if TYPE_CHECKING:
     from .config import ThrottleConfig
     from .rejections import Rejections
 
-    Unreserve = Callable[[str, list[Reservation]], Awaitable[object]]
-    """Gives a throttle key's bucket back reservations (:meth:`.ResilientBucket.unreserve`):
-    None when Redis could not be told."""
+    Unreserve = Callable[[str, list[tuple[Reservation, str | None]]], Awaitable[Unreserved | None]]
+    """Gives a throttle key's bucket back sealed reservations
+    (:meth:`.ResilientBucket.unreserve`): None when Redis could not be told."""
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +148,9 @@ class Ticket:
 
     reservation: Reservation | None = None
     """Reserved in Redis: what its bucket takes back when the request is dropped or asks anew
-    instead (see :meth:`.TokenBucket.unreserve`)."""
+    instead (see :meth:`.TokenBucket.unreserve`)..."""
+    seal: str | None = None
+    """...if its seal is the fleet's (see :meth:`.ResilientBucket.unreserve`)."""
 
     def moment(self, clock: ServerClock) -> float:
         """The loop time of its reserved moment: by *clock* (the throttle's Redis's) when it
@@ -167,7 +169,7 @@ class Ticket:
             self.locally,
             self.waiting_since,
             self.moment_us,
-            None if self.reservation is None else list(self.reservation),
+            None if self.reservation is None else [*self.reservation, self.seal],
         ]
 
     @classmethod
@@ -196,31 +198,34 @@ class Ticket:
                 float(waiting_since),
                 elsewhere,
                 None if moment_us is None else float(moment_us),
-                _reservation(value[6]) if reserved and len(value) == 7 else None,
+                *(_reservation(value[6]) if reserved and len(value) == 7 else (None, None)),
             )
         now = time.time()
         return cls(key, due, False, False, now, now, elsewhere=True)
 
 
-def _unused(ticket: Ticket) -> tuple[str, Reservation] | None:
+def _unused(ticket: Ticket) -> Unused | None:
     """The reservation of a request that will not go at its moment, to give back (None: it
     holds none in Redis)."""
     if ticket.reserved and ticket.reservation is not None:
-        return ticket.key, ticket.reservation
+        return ticket.key, ticket.reservation, ticket.seal
     return None
 
 
-def _reservation(value: object) -> Reservation | None:
-    """A reservation read back from Redis: two whole numbers (``lua/unreserve.lua`` refuses
-    others, which would fail the close's call for the whole domain), else none."""
+def _reservation(value: object) -> tuple[Reservation | None, str | None]:
+    """A reservation and its seal read back from Redis: three whole numbers that
+    ``lua/unreserve.lua`` takes (else it would refuse the close's call for the whole domain)
+    and a string, else none."""
     if (
         isinstance(value, list)
-        and len(value) == 2
-        and all(isinstance(n, int) and not isinstance(n, bool) for n in value)
+        and len(value) == 4
+        and all(isinstance(n, int) and not isinstance(n, bool) for n in value[:3])
         and 0 < value[1] <= value[0] < MAX_MOMENT_US
+        and 0 <= value[2] < MAX_MOMENT_US
+        and isinstance(value[3], str)
     ):
-        return Reservation(value[0], value[1])
-    return None
+        return Reservation(value[0], value[1], value[2]), value[3]
+    return None, None
 
 
 def _is_time(value: object) -> bool:
@@ -234,13 +239,22 @@ def _is_time(value: object) -> bool:
         return False
 
 
+Unused = tuple[str, Reservation, str | None]
+"""A reservation a request will not use: its throttle key, the reservation, its seal."""
+
+
+class ParkUncertain(RedisConnectionError):
+    """A park whose reply was lost and whose request is not in the set: it may have been
+    parked and taken since."""
+
+
 class Closed(NamedTuple):
     """What a parking store held at its close."""
 
     parked: int
     """Requests parked."""
-    dropped: list[tuple[str, Reservation]]
-    """The reservations of those dropped (with their throttle keys): unused, to give back."""
+    dropped: list[Unused]
+    """The reservations of those dropped: to give back."""
 
 
 Parked = tuple["Request", Ticket]
@@ -398,19 +412,25 @@ class RedisParking:
                 keys=[self.key, self.index_key],
                 args=[repr(delay * 1e6), member, *([] if asked is None else [repr(asked)])],
             )
-        except (RedisConnectionError, RedisTimeoutError):
+        except (RedisConnectionError, RedisTimeoutError) as error:
             # The reply is lost, not necessarily the park: make sure the request is not in the
             # set before the caller keeps it, or it would be crawled twice.
-            await self._forget(member)
+            if not await self._forget(member):
+                # Not there: never parked, or parked and taken since (by another worker, to go
+                # at its moment; by a close, its moment given back). Kept, it asks anew.
+                raise ParkUncertain(str(error)) from error
             raise
         self.parked = int(reply)
 
-    async def _forget(self, member: bytes) -> None:
+    async def _forget(self, member: bytes) -> bool:
+        """Take *member* out of the set if it is there; whether it was."""
         delay = 0.1
         for _ in range(FORGET_ATTEMPTS):
             try:
-                await self._unpark_script(keys=[self.key, self.index_key], args=["0", 1, member])
-                return
+                reply = await self._unpark_script(
+                    keys=[self.key, self.index_key], args=["0", 1, member]
+                )
+                return len(reply) > 3  # (with it, when it was taken out)
             except (RedisConnectionError, RedisTimeoutError):
                 await asyncio.sleep(delay)
                 delay *= 2
@@ -419,6 +439,7 @@ class RedisParking:
             "crawled twice",
             self.key,
         )
+        return False
 
     async def unpark(self, ahead: float, limit: int) -> tuple[list[Parked], float | None]:
         await self._clock.follow(self._redis)
@@ -495,7 +516,7 @@ class RedisParking:
                 await script.aclose()
             await self._redis.aclose(close_connection_pool=True)
 
-    async def _drop(self) -> list[tuple[str, Reservation]]:
+    async def _drop(self) -> list[Unused]:
         """Drop what is parked; return the reservations of the first :data:`DROPPED_READ`
         dropped requests. Those are taken out one batch at a time (ZPOPMIN), out of the others'
         reach: a request another worker takes meanwhile goes at its moment, and must not be
@@ -511,7 +532,7 @@ class RedisParking:
         await self._redis.delete(self.key, self.index_key)
         return unused
 
-    def _reserved_in(self, member: bytes) -> tuple[str, Reservation] | None:
+    def _reserved_in(self, member: bytes) -> Unused | None:
         """The reservation a member of the parking set holds (None: none, or not a member a
         worker of this version parked)."""
         try:
@@ -670,12 +691,15 @@ class ParkingArea:
             self._unparkable.add(request)
             self._give_back(request, ticket)
             return
-        except Exception:
-            # Not lost: the middleware holds it until its moment instead.
+        except Exception as error:
+            # Not lost: the middleware holds it until its moment instead; or, when the park may
+            # have happened, it asks anew (its moment may be another's, or given back).
             logger.exception(
                 "Redis throttle: could not park %s; it waits in the downloader", request
             )
             self._unparkable.add(request)
+            if isinstance(error, ParkUncertain):
+                ticket = replace(ticket, reserved=False, reservation=None, seal=None)
             self._give_back(request, ticket)
             return
         self._parks_done += 1
@@ -824,7 +848,7 @@ class ParkingArea:
         if self._parking_tasks:
             await asyncio.gather(*self._parking_tasks, return_exceptions=True)
         lost = 0
-        unused: list[tuple[str, Reservation]] = []
+        unused: list[Unused] = []
         # Given back but not yet taken by the engine: park them again, due at once, to ask
         # anew (their moments are too close to wait parked for).
         while self._ready:
@@ -832,7 +856,9 @@ class ParkingArea:
             if (reservation := _unused(ticket)) is not None:
                 unused.append(reservation)
             now = asyncio.get_running_loop().time()
-            again = replace(ticket, due=now, reserved=False, locally=False, reservation=None)
+            again = replace(
+                ticket, due=now, reserved=False, locally=False, reservation=None, seal=None
+            )
             try:
                 await self._park_leased(request, again, request.meta.pop(LEASE_META, None))
             except Unparkable:  # (waiting in the downloader, it was counted and logged)
@@ -857,25 +883,30 @@ class ParkingArea:
                 not_crawled,
             )
 
-    async def _give_back_reservations(self, unused: list[tuple[str, Reservation]]) -> None:
+    async def _give_back_reservations(self, unused: list[Unused]) -> None:
         """Give the buckets back the moments reserved for requests that will not go at them
         (see :meth:`.TokenBucket.unreserve`): a fleet that starts again does not wait for
         them."""
         if not unused or self._unreserve is None:
             return
-        by_key: dict[str, list[Reservation]] = {}
-        for key, reservation in unused:
-            by_key.setdefault(key, []).append(reservation)
-        given = 0
-        for key, reservations in by_key.items():
-            if await self._unreserve(key, reservations) is not None:
-                given += len(reservations)
-        if given:
-            self._crawler.stats.inc_value(f"{STATS_PREFIX}/unreserved", given)
+        by_key: dict[str, list[tuple[Reservation, str | None]]] = {}
+        for key, reservation, seal in unused:
+            by_key.setdefault(key, []).append((reservation, seal))
+        taken = set_aside = 0
+        for key, sealed in by_key.items():
+            done = await self._unreserve(key, sealed)
+            if done is not None:
+                taken, set_aside = taken + done.taken, set_aside + done.set_aside
+        stats = self._crawler.stats
+        if taken:
+            stats.inc_value(f"{STATS_PREFIX}/unreserved", taken)
+        if set_aside:
+            stats.inc_value(f"{STATS_PREFIX}/unreserved_set_aside", set_aside)
         logger.info(
-            "Redis throttle: %(given)d of the %(unused)d moments reserved for requests that "
-            "will not go at them were given back to their buckets",
-            {"given": given, "unused": len(unused)},
+            "Redis throttle: of %(unused)d moments reserved for requests that will not go at "
+            "them, %(taken)d were given back to their buckets and %(set_aside)d set aside "
+            "until the moments after them are given back too",
+            {"unused": len(unused), "taken": taken, "set_aside": set_aside},
         )
 
 

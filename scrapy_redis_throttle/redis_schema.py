@@ -96,6 +96,12 @@ def void_key(prefix: str, domain: str) -> str:
     return bucket_key(prefix, domain) + VOID_SUFFIX
 
 
+def secret_key(prefix: str) -> str:
+    """The fleet's secret, which seals the reservations parked requests carry (see
+    :meth:`.TokenBucket.load_secret`)."""
+    return f"{prefix}:secret"
+
+
 def penalty_channel(prefix: str) -> str:
     """Where pauses are published, for every worker of the fleet."""
     return f"{prefix}:penalties"

@@ -29,6 +29,8 @@ never goes unthrottled, nor asks again at once).
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 import time
 from dataclasses import dataclass
@@ -48,7 +50,7 @@ if TYPE_CHECKING:
 
     from scrapy.statscollectors import StatsCollector
 
-    from .bucket import Penalty, Reservation, SlowDown, Voiding
+    from .bucket import Penalty, Reservation, SlowDown, Unreserved, Voiding
     from .config import ThrottleConfig
     from .connection import ThrottleRedis
     from .rates import Limit
@@ -64,6 +66,8 @@ FIRST_PROBE_DELAY = 0.5
 # after the last clean-up): a crawl of millions of domains must not grow without bound.
 LOCAL_PRUNE_SIZE = 10_000
 
+# Hex digits of a reservation's seal (see ResilientBucket.seal): 128 bits.
+SEAL_DIGITS = 32
 # How the scripts' error replies begin, once redis-py has taken "ERR " off; and Redis's reply
 # to a script that met a key of another type (something else wrote it): that domain's problem,
 # not a failure of Redis.
@@ -268,15 +272,35 @@ class ResilientBucket:
         # The key of the last call that failed: on a Redis Cluster, the probe tries its primary
         # (another one may answer while it is down).
         self._failed_key: str | None = None
+        self._secret: bytes | None = None
 
     async def check(self) -> None:
         """PING Redis at start-up, so that an unavailable Redis is reported before the first
-        request (and the first requests go by the policy at once), and read its clock."""
+        request (and the first requests go by the policy at once), read its clock and the
+        fleet's secret."""
         try:
             await ping(self._redis)
             await self._bucket.read_time()
         except RedisError as exc:
             self._failed(exc)
+            return
+        try:
+            self._secret = await self._bucket.load_secret()
+        except (RedisError, ValueError) as exc:
+            # Not fatal: the reservations of parked requests are then never given back.
+            self._rejections.reject(
+                "secret", "", str(exc)[:300], "reservations parked are not given back"
+            )
+
+    def seal(self, key: str, reservation: Reservation) -> str | None:
+        """*reservation* of *key*, sealed with the fleet's secret (None: none known): see
+        :meth:`unreserve`."""
+        if self._secret is None:
+            return None
+        message = f"{key}\n{reservation.after} {reservation.step} {reservation.at}".encode(
+            "utf-8", "surrogatepass"
+        )
+        return hmac.new(self._secret, message, hashlib.sha256).hexdigest()[:SEAL_DIGITS]
 
     async def acquire(self, key: str, limit: Limit, cost: float) -> Grant:
         waited = False
@@ -387,12 +411,25 @@ class ResilientBucket:
             return None
         return await self._answered(key, self._bucket.slow_down(key, limit, adaptive, age, hold))
 
-    async def unreserve(self, key: str, reservations: list[Reservation]) -> int | None:
-        """Give *key*'s bucket back *reservations* (see :meth:`.TokenBucket.unreserve`); None
-        when Redis could not be told (they expire with their moments)."""
-        if self.breaker.open_for() is not None:
+    async def unreserve(
+        self, key: str, sealed: list[tuple[Reservation, str | None]]
+    ) -> Unreserved | None:
+        """Give *key*'s bucket back the reservations of *sealed* whose seals are this fleet's
+        (see :meth:`.TokenBucket.unreserve`; a parked request's ticket comes back from
+        scrapy-redis's Redis, which others may write); None when Redis could not be told
+        (they expire with their moments)."""
+        genuine = []
+        for reservation, seal in sealed:
+            expected = self.seal(key, reservation)
+            if expected is not None and seal is not None and hmac.compare_digest(expected, seal):
+                genuine.append(reservation)
+            elif self._secret is not None:
+                self._rejections.reject(
+                    "reservation", key, "a reservation not sealed by this fleet", "kept it"
+                )
+        if not genuine or self.breaker.open_for() is not None:
             return None
-        return await self._answered(key, self._bucket.unreserve(key, reservations))
+        return await self._answered(key, self._bucket.unreserve(key, genuine))
 
     async def _answered(self, key: str, call: Awaitable[_T]) -> _T | None:
         """:meth:`_guarded`, with a refused call taken as no answer."""

@@ -252,7 +252,7 @@ class Turns:
         self._stats.inc_value(f"{STATS_PREFIX}/park_requests")
         self._activity.park(key, 1)
         due = result.decided(asyncio.get_running_loop().time()) + delay
-        shared = result.reserved and grant.shared
+        reservation = result.reservation if grant.shared else None
         return Ticket(
             key,
             due,
@@ -261,6 +261,7 @@ class Turns:
             asked_at,
             since,
             False,
-            result.moment_us if shared else None,
-            result.reservation if shared else None,
+            result.moment_us if result.reserved and grant.shared else None,
+            reservation,
+            None if reservation is None else self._budget.seal(key, reservation),
         )

@@ -43,6 +43,7 @@ from support import (
 )
 
 from scrapy_redis_throttle import penalties
+from scrapy_redis_throttle.bucket import Reservation
 from scrapy_redis_throttle.cli import EXIT_BAD_INPUT
 from scrapy_redis_throttle.config import ThrottleConfig
 from scrapy_redis_throttle.connection import ThrottleRedis, close, connect, connect_url
@@ -574,6 +575,46 @@ async def test_a_domain_key_of_another_type_is_that_domains_problem(
     assert (refused.shared, other.shared) == (False, True)
     assert stats.get_value("redis_throttle/rejected/script_call") == 1
     no_redis_failure({k: v for k, v in stats.get_stats().items() if "fallback" not in k})
+
+
+@async_test
+async def test_reservations_whose_seals_are_not_the_fleets_are_not_given_back(
+    redis_server: RedisServer,
+) -> None:
+    """Whoever may write into scrapy-redis's Redis may forge a parked request's reservation
+    (its bucket's time, and a step back to long ago): given back, the bucket would be full
+    while other moments are still held. Only those sealed with the fleet's secret (in the
+    throttle's Redis) go back; a worker whose secret is gone gives none back."""
+    config = ThrottleConfig.from_settings(Settings({"REDIS_THROTTLE_URL": redis_server.url}))
+    stats = MemoryStatsCollector(get_crawler())
+    bucket = ResilientBucket(connect(config), config, stats, dict)
+    limit = Limit(rate=1 / 60, burst=1, text="1/m")
+    domain, key = "a.example", bucket_key("redis_throttle", "a.example")
+    try:
+        await bucket.check()
+        assert (await bucket.acquire(domain, limit, 1)).result.allowed
+        held = (await bucket.acquire(domain, limit, 1)).result.reservation
+        assert held is not None
+        forged = Reservation(held.after, held.after - 1, held.at)
+        assert await bucket.unreserve(domain, [(forged, "0" * 32), (forged, None)]) is None
+        assert stats.get_value("redis_throttle/rejected/reservation") == 2
+        with redis_server.client() as client:
+            assert int(client.get(key)) == held.after, "the bucket keeps every moment held"
+        done = await bucket.unreserve(domain, [(held, bucket.seal(domain, held))])
+        assert done == (1, 0), "the fleet's own seal"
+        with redis_server.client() as client:
+            client.set(key, held.after, px=60_000)  # held again
+            client.set("redis_throttle:secret", "x" * 64)  # another fleet's, or forged
+        stranger = ResilientBucket(connect(config), config, stats, dict)
+        try:
+            await stranger.check()
+            assert await stranger.unreserve(domain, [(held, bucket.seal(domain, held))]) is None
+        finally:
+            await stranger.aclose()
+    finally:
+        await bucket.aclose()
+    with redis_server.client() as client:
+        assert int(client.get(key)) == held.after
 
 
 @pytest.mark.parametrize("adaptive", [b"nan 0 0 5", b"-1 0 0 5", b"x y z 5", b"0 0 0 5"])

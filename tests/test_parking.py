@@ -19,7 +19,9 @@ from local_redis import RedisServer
 from scrapy import Request, signals
 from scrapy.crawler import CrawlerRunner
 from scrapy.exceptions import IgnoreRequest
+from scrapy.statscollectors import MemoryStatsCollector
 from scrapy.utils.defer import maybe_deferred_to_future
+from scrapy.utils.test import get_crawler
 from scrapy_redis.scheduler import Scheduler as ScrapyRedisScheduler
 from spiders import UrlListSpider
 from support import (
@@ -33,16 +35,21 @@ from support import (
     run_crawl,
     wait_until_async,
 )
+from tcp_proxy import TcpProxy
 
 from scrapy_redis_throttle.bucket import Reservation
+from scrapy_redis_throttle.connection import connect_url
 from scrapy_redis_throttle.control import LiveControl
 from scrapy_redis_throttle.parking import (
     MOMENT_AGREES,
     TICKET_META,
     MemoryParking,
+    ParkUncertain,
+    RedisParking,
     Ticket,
     read_member,
 )
+from scrapy_redis_throttle.rejections import Rejections
 from scrapy_redis_throttle.scripts import load_script
 from scrapy_redis_throttle.server_clock import ServerClock
 
@@ -183,7 +190,11 @@ async def test_parked_requests_not_kept_are_counted_and_logged(
     # Their moments, 30 and 60 s after the first request's, are given back: the bucket is as
     # the first request left it, and a crawl started now waits no longer than it would have.
     assert crawler.stats.get_value("redis_throttle/unreserved") == 2
-    assert any("2 of the 2 moments reserved" in r.getMessage() for r in caplog.records)
+    assert any(
+        "of 2 moments reserved for requests that will not go at them, 2 were given back"
+        in r.getMessage()
+        for r in caplog.records
+    )
     with redis_server.client() as client:
         (arrival,) = site.arrivals(SLOW)
         until_full = client.pttl(f"redis_throttle:{{{SLOW}}}") / 1000
@@ -426,27 +437,34 @@ def test_tickets_read_back_from_redis_are_parsed_strictly() -> None:
         assert (hostile.reserved, hostile.moment_us, hostile.due) == (False, None, 5.0), moment
     assert Ticket.from_wire([True, 10**400, "p", False, now, None], SLOW, 5.0).reserved is False
     assert Ticket.from_wire([True, now, "p", False, now], SLOW, 5.0).reserved is False
-    # Its reservation, to give back at a close: two whole numbers, the step at most the time
-    # after; anything else is none to give back (an error would fail its whole domain's call).
+    # Its reservation, to give back at a close, and its seal: three whole numbers, the step at
+    # most the time after, and a string; anything else is none to give back (an error would
+    # fail its whole domain's call).
     fields = [True, now, "p", False, now, 1e15]
-    given = Ticket.from_wire([*fields, [7_000_000, 2_000_000]], SLOW, 5.0)
-    assert given.reservation == Reservation(7_000_000, 2_000_000)
+    given = Ticket.from_wire([*fields, [7_000_000, 2_000_000, 4_000_000, "seal"]], SLOW, 5.0)
+    assert (given.reservation, given.seal) == (Reservation(7_000_000, 2_000_000, 4_000_000), "seal")
     assert Ticket.from_wire(fields, SLOW, 5.0).reservation is None, "an earlier version's"
     for reservation in (
         None,
-        [7, 8],
-        [7, 0],
-        [7.5, 2],
-        [10**15, 2],
-        [True, 1],
-        ["7", "2"],
+        [7, 8, 1, "s"],
+        [7, 0, 1, "s"],
+        [7.5, 2, 1, "s"],
+        [10**15, 2, 1, "s"],
+        [7, 2, -1, "s"],
+        [7, 2, 10**15, "s"],
+        [True, 1, 1, "s"],
+        ["7", "2", "1", "s"],
+        [7, 2, 1, None],
         [7, 2, 1],
+        [7, 2, 1, "s", 1],
         {"after": 7},
-        [[7], 2],
+        [[7], 2, 1, "s"],
     ):
         hostile = Ticket.from_wire([*fields, reservation], SLOW, 5.0)
-        assert (hostile.reserved, hostile.reservation) == (True, None), reservation
-    unreserved = Ticket.from_wire([False, *fields[1:], [7_000_000, 2_000_000]], SLOW, 5.0)
+        assert (hostile.reserved, hostile.reservation, hostile.seal) == (True, None, None), (
+            reservation
+        )
+    unreserved = Ticket.from_wire([False, *fields[1:], [7_000_000, 2_000_000, 1, "s"]], SLOW, 5.0)
     assert unreserved.reservation is None, "nothing reserved, nothing to give back"
 
 
@@ -533,3 +551,57 @@ async def test_a_limit_raised_live_brings_parked_requests_back_at_once(
     await maybe_deferred_to_future(crawl)
     assert stats.get_value("redis_throttle/paused_reservations") == 5
     assert_paced([a.time for a in site.arrivals(SLOW)][1:], rate=20, burst=1, what=SLOW)
+
+
+@async_test
+async def test_a_park_whose_reply_is_lost_and_whose_request_is_gone_is_uncertain(
+    redis_server: RedisServer,
+) -> None:
+    """A park ran in Redis, its reply lost: the request is taken back out if it is still
+    there (kept by its worker, it goes at its moment). If it is gone (another worker took it,
+    or a close dropped it and gave its moment back), the park is uncertain: its worker keeps it
+    but asks anew, never going at a moment that may be another's."""
+    stats = MemoryStatsCollector(get_crawler())
+    spider = UrlListSpider()
+    with TcpProxy(redis_server.port) as proxy:
+        store = RedisParking(
+            connect_url(proxy.url, {"socket_timeout": 0.5}, 1),
+            "lost:parked",
+            spider,
+            Rejections(stats, dict),
+        )
+        now = time.time()
+        ticket = Ticket(SLOW, asyncio.get_running_loop().time() + 60, True, False, now, now)
+        try:
+            await store.park(Request(f"http://{SLOW}/page/0"), ticket)  # (Redis's clock known)
+            proxy.lose_replies(True)
+            with redis_server.client() as client:
+                client.delete("lost:parked")
+                taker = asyncio.ensure_future(
+                    wait_until_async(lambda: client.zpopmin("lost:parked"), "the park to run")
+                )
+                with pytest.raises(ParkUncertain):
+                    await store.park(Request(f"http://{SLOW}/page/1"), ticket)
+                await taker
+            proxy.lose_replies(False)
+            await store.park(Request(f"http://{SLOW}/page/2"), ticket)  # (a new connection)
+            proxy.lose_replies(True)
+            with redis_server.client() as client:
+                # Parked, its reply lost: the replies come back for what follows.
+                back = asyncio.ensure_future(
+                    wait_until_async(lambda: client.zcard("lost:parked") == 2, "the park to run")
+                )
+                back.add_done_callback(lambda _: proxy.lose_replies(False))
+                with pytest.raises(redis.exceptions.TimeoutError) as lost:
+                    await store.park(Request(f"http://{SLOW}/page/3"), ticket)
+                await back
+            assert not isinstance(lost.value, ParkUncertain), "taken back out: certain"
+            with redis_server.client() as client:
+                paths = [
+                    json.loads(read_member(m)[2])["url"]
+                    for m in client.zrange("lost:parked", 0, -1)
+                ]
+        finally:
+            proxy.lose_replies(False)
+            await store.close(keep=False)
+    assert paths == [f"http://{SLOW}/page/2"]

@@ -14,11 +14,12 @@ from support import redis_now_us
 
 from scrapy_redis_throttle.bucket import UNRESERVE_BATCH, Reservation, parse_reply, script_args
 from scrapy_redis_throttle.rates import Limit, parse_limit
-from scrapy_redis_throttle.redis_schema import UNRESERVED_SUFFIX
+from scrapy_redis_throttle.redis_schema import UNRESERVED_SUFFIX, void_key
 from scrapy_redis_throttle.scripts import load_script
 
 KEY = "test:{example.com}"
 ASIDE = KEY + UNRESERVED_SUFFIX
+VOID = void_key("test", "example.com")
 SLOW = Limit(rate=1 / 60, burst=1, text="1/m")
 MINUTE_US = 60_000_000
 
@@ -41,7 +42,7 @@ class Bucket:
 
     def unreserve(self, *reservations: Reservation) -> list[int]:
         args = [value for reservation in reservations for value in reservation]
-        return self.unreserve_script(keys=[KEY, ASIDE], args=args)  # type: ignore[no-any-return]
+        return self.unreserve_script(keys=[KEY, ASIDE, VOID], args=args)  # type: ignore[no-any-return]
 
     def tat(self) -> int | None:
         value = self.client.get(KEY)
@@ -67,7 +68,8 @@ def test_the_last_reservations_go_back_at_once(bucket: Bucket) -> None:
 
     assert bucket.unreserve(*reversed(kept)) == [3, 0]
     assert bucket.tat() == went.after, "as if the three were never reserved"
-    assert bucket.reserve() == kept[0], "the next request gets the first moment given back"
+    again = bucket.reserve()
+    assert again[:2] == kept[0][:2], "the next request gets the first moment given back"
 
 
 def test_one_reserved_before_others_waits_for_them_to_be_given_back(bucket: Bucket) -> None:
@@ -82,9 +84,10 @@ def test_one_reserved_before_others_waits_for_them_to_be_given_back(bucket: Buck
     assert bucket.tat() == one[-1].after
     assert bucket.unreserve(one[-1], one[1]) == [1, 1], "the last went; the other waits"
     assert bucket.tat() == other.after
-    # Meanwhile a new request still gets a moment of its own, after every one held.
-    assert bucket.reserve().after == other.after + MINUTE_US
-    assert bucket.unreserve(Reservation(other.after + MINUTE_US, MINUTE_US)) == [1, 0]
+    # Meanwhile a new request still gets a moment of its own, after every one held...
+    latest = bucket.reserve()
+    assert latest.after == other.after + MINUTE_US
+    assert bucket.unreserve(latest) == [1, 0]
     assert bucket.unreserve(other) == [3, 0], "with the two set aside below it"
     assert bucket.tat() == went.after
     assert bucket.client.exists(ASIDE) == 0, "nothing left aside"
@@ -104,8 +107,8 @@ def test_moments_past_and_moments_the_bucket_never_held_are_not_given_back(
     went = bucket.reserve()
     kept = bucket.reserve()
     now = redis_now_us(bucket.client)
-    passed = Reservation(now - 1, 1)
-    unknown = Reservation(kept.after + 1, 2)
+    passed = Reservation(now - 1, 1, now - 2)
+    unknown = Reservation(kept.after + 1, 2, now)
     assert bucket.unreserve(passed, unknown) == [0, 0]
     assert bucket.tat() == kept.after
     assert bucket.client.exists(ASIDE) == 0
@@ -127,8 +130,8 @@ def test_a_bucket_given_back_everything_is_full_and_gone(bucket: Bucket) -> None
     after = redis_now_us(bucket.client) + MINUTE_US
     bucket.client.set(KEY, str(after), px=MINUTE_US // 1000)
     # One set aside whose moment passed (it expires with the last one set aside).
-    bucket.client.hset(ASIDE, str(after - 2 * MINUTE_US), 5)
-    assert bucket.unreserve(Reservation(after, 2 * MINUTE_US)) == [1, 0]
+    bucket.client.hset(ASIDE, str(after - 2 * MINUTE_US), f"5 {after - 3 * MINUTE_US}")
+    assert bucket.unreserve(Reservation(after, 2 * MINUTE_US, after - 2 * MINUTE_US)) == [1, 0]
     assert bucket.client.exists(KEY) == 0, "full: an idle domain's key vanishes"
     assert bucket.client.hlen(ASIDE) == 1, "what was reserved before a full bucket is spent"
 
@@ -136,32 +139,38 @@ def test_a_bucket_given_back_everything_is_full_and_gone(bucket: Bucket) -> None
 @pytest.mark.parametrize(
     "args",
     [
-        ["1"],
-        ["x", "1"],
-        ["nan", "1"],
-        ["1e400", "1"],
-        ["1.5", "1"],
-        ["100", "0"],
-        ["100", "-5"],
-        ["100", "101"],
-        ["100", "2.5"],
-        ["1e16", "1"],
-        ["1", "1"] * (UNRESERVE_BATCH + 1),
+        ["1", "1"],
+        ["x", "1", "0"],
+        ["nan", "1", "0"],
+        ["1e400", "1", "0"],
+        ["1.5", "1", "0"],
+        ["100", "0", "0"],
+        ["100", "-5", "0"],
+        ["100", "101", "0"],
+        ["100", "2.5", "0"],
+        ["100", "1", "0.5"],
+        ["100", "1", "nan"],
+        ["100", "1", "1e16"],
+        ["1e16", "1", "0"],
+        ["1", "1", "0"] * (UNRESERVE_BATCH + 1),
     ],
 )
 def test_bad_arguments_are_refused_naming_them(bucket: Bucket, args: list[str]) -> None:
     bucket.reserve()
     kept = bucket.reserve()
     with pytest.raises(redis.ResponseError, match="redis_throttle: "):
-        bucket.unreserve_script(keys=[KEY, ASIDE], args=args)
+        bucket.unreserve_script(keys=[KEY, ASIDE, VOID], args=args)
     assert bucket.tat() == kept.after, "nothing changed"
 
 
 def test_python_sends_at_most_what_the_script_takes() -> None:
-    assert f"local MAX_PAIRS = {UNRESERVE_BATCH}\n" in load_script("unreserve.lua")
+    assert f"local MAX_RESERVATIONS = {UNRESERVE_BATCH}\n" in load_script("unreserve.lua")
 
 
-@pytest.mark.parametrize("garbage", [b"x", b"-5", b"1.5", b"nan", b"9" * 40, b"0"])
+@pytest.mark.parametrize(
+    "garbage",
+    [b"x", b"-5", b"1.5", b"nan", b"9" * 40, b"0", b"5", b"5 x", b"0 1", b"5 " + b"9" * 40],
+)
 def test_garbage_set_aside_is_ignored_not_an_error(bucket: Bucket, garbage: bytes) -> None:
     went = bucket.reserve()
     aside, kept = bucket.reserve(), bucket.reserve()
@@ -192,5 +201,25 @@ def test_a_reservation_with_more_limits_says_where_the_bucket_went(bucket: Bucke
     ]
     reserved = parse_reply(replies[1], limit)
     assert reserved.reserved
-    assert reserved.reservation == Reservation(bucket.tat() or 0, MINUTE_US)
+    assert reserved.reservation == Reservation(bucket.tat() or 0, MINUTE_US, replies[1][3])
     assert bucket.unreserve(reserved.reservation) == [1, 0]
+
+
+def test_reservations_made_before_a_voiding_are_never_given_back(bucket: Bucket) -> None:
+    """A limit set live (or an adaptive decrease) voids the moments reserved before it and
+    sets the bucket's time anew: the new reservations may then have the same "after" values as
+    the void ones. A void one, given back or set aside before, must not free a new one's
+    moment (its worker holds it)."""
+    went = bucket.reserve()
+    void_one, void_two = bucket.reserve(), bucket.reserve()
+    assert bucket.unreserve(void_one) == [0, 1], "set aside"
+    # The voiding, as set_limit.lua writes it: the bucket's time back to where it was.
+    voided_at = redis_now_us(bucket.client)
+    bucket.client.set(VOID, f"{voided_at} {void_two.after}", px=2 * MINUTE_US // 1000)
+    bucket.client.set(KEY, str(went.after), px=MINUTE_US // 1000)
+    held, latest = bucket.reserve(), bucket.reserve()
+    assert (held.after, latest.after) == (void_one.after, void_two.after), "the same times"
+
+    assert bucket.unreserve(void_two) == [0, 0], "void: not given back, nor set aside"
+    assert bucket.unreserve(latest) == [1, 0], "the void one set aside is no step to take"
+    assert bucket.tat() == held.after, "the moment of the request still held stays its own"
