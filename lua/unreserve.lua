@@ -31,6 +31,11 @@
 -- aside are at most the domain's reservations, which the workers bound).
 local MAX_RESERVATIONS = 1000
 local MAX_TAKEN = 10000
+-- µs of doubt, to the polite side: a void key may expire a little before the moments it voids
+-- end (PX counts whole ms), and Redis's clock may step back (a failover to a server whose clock
+-- is behind): moments less than this ahead are not given back, nor reservations made less than
+-- this after a voiding.
+local MARGIN = 1000000
 
 local now = server_now()
 if #ARGV % 3 ~= 0 or #ARGV > 3 * MAX_RESERVATIONS then
@@ -38,11 +43,12 @@ if #ARGV % 3 ~= 0 or #ARGV > 3 * MAX_RESERVATIONS then
     .. " triples of after, step and at, got " .. #ARGV .. " arguments")
 end
 local voided_at = time_read(string.match(redis.call("GET", KEYS[3]) or "", "^(%d+) %d+$"), now)
-  or -1
+  or -math.huge
 
--- Whether a reservation may be taken out: made after the last voiding (numbers, or nil).
+-- Whether a reservation may be taken out: made after the last voiding, and not "after" now by
+-- a clock that stepped back (numbers, or nil).
 local function current(step, at)
-  return step and at and at > voided_at
+  return step and at and at > voided_at + MARGIN and at <= now
 end
 
 local given = {}
@@ -52,14 +58,14 @@ for index = 1, #ARGV, 3 do
   -- Whole numbers: the bucket's times are (a field of KEYS[2] is one written with %d).
   if not (after and step and at and after == math.floor(after) and step == math.floor(step)
       and at == math.floor(at) and after < now + MAX_AHEAD and step > 0 and step <= after
-      and at <= now) then  -- (NaN fails too)
+      and at >= 0 and at < now + MAX_AHEAD) then  -- (NaN fails too)
     return redis.error_reply("ERR redis_throttle: a reservation is a whole after before now "
-      .. "+ 1e15, a whole step > 0, at most after, and a whole time at, not after now, got "
+      .. "+ 1e15, a whole step > 0, at most after, and a whole time at >= 0, got "
       .. tostring(ARGV[index]) .. " " .. tostring(ARGV[index + 1]) .. " "
       .. tostring(ARGV[index + 2]))
   end
   -- A moment spent (given back or not), or void, is none to give back.
-  if after > now and current(step, at) then
+  if after > now + MARGIN and current(step, at) then
     given[after] = {step, at}
   end
 end
@@ -80,8 +86,8 @@ local taken = 0
 if tat then
   local from = tat
   for _ = 1, MAX_TAKEN do
-    if tat <= now then
-      break  -- the bucket is full: what was reserved before is spent
+    if tat <= now + MARGIN then
+      break  -- the bucket is (all but) full: what was reserved before is spent
     end
     local step
     if given[tat] then

@@ -319,8 +319,9 @@ class TokenBucket:
         key = bucket_key(self._key_prefix, domain)
         keys = [key, key + UNRESERVED_SUFFIX, void_key(self._key_prefix, domain)]
         taken = set_aside = 0
-        # Latest first: each call takes out what it can from the bucket's end.
-        ordered = sorted(reservations, reverse=True)
+        # Latest first: each call takes out what it can from the bucket's end. Once each: the
+        # script takes a reservation given twice in one call once, not in two calls.
+        ordered = sorted(set(reservations), reverse=True)
         for start in range(0, len(ordered), UNRESERVE_BATCH):
             batch = ordered[start : start + UNRESERVE_BATCH]
             args = [str(value) for reservation in batch for value in reservation]

@@ -135,7 +135,12 @@ class RedisThrottleMiddleware:
             return
         try:
             self.parking = attach(
-                self.crawler, self.config, scheduler, self.rejections, self.budget.unreserve
+                self.crawler,
+                self.config,
+                scheduler,
+                self.rejections,
+                self.budget.unreserve,
+                self.budget.seals,
             )
         except Exception:
             # Without parking the throttle still works: the rest of the start must happen.

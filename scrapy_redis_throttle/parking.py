@@ -30,6 +30,7 @@ import asyncio
 import functools
 import heapq
 import itertools
+import json
 import logging
 import math
 import time
@@ -61,6 +62,7 @@ from .redis_schema import (
 )
 from .request_codec import Unparkable, decode_request, encode_request
 from .scripts import lua_script
+from .seals import Seals
 from .server_clock import ServerClock
 
 if TYPE_CHECKING:
@@ -75,9 +77,9 @@ if TYPE_CHECKING:
     from .config import ThrottleConfig
     from .rejections import Rejections
 
-    Unreserve = Callable[[str, list[tuple[Reservation, str | None]]], Awaitable[Unreserved | None]]
-    """Gives a throttle key's bucket back sealed reservations
-    (:meth:`.ResilientBucket.unreserve`): None when Redis could not be told."""
+    Unreserve = Callable[[str, list[Reservation]], Awaitable[Unreserved | None]]
+    """Gives a throttle key's bucket back reservations (:meth:`.ResilientBucket.unreserve`):
+    None when Redis could not be told."""
 
 logger = logging.getLogger(__name__)
 
@@ -148,9 +150,7 @@ class Ticket:
 
     reservation: Reservation | None = None
     """Reserved in Redis: what its bucket takes back when the request is dropped or asks anew
-    instead (see :meth:`.TokenBucket.unreserve`)..."""
-    seal: str | None = None
-    """...if its seal is the fleet's (see :meth:`.ResilientBucket.unreserve`)."""
+    instead (see :meth:`.TokenBucket.unreserve`)."""
 
     def moment(self, clock: ServerClock) -> float:
         """The loop time of its reserved moment: by *clock* (the throttle's Redis's) when it
@@ -161,7 +161,8 @@ class Ticket:
         return exact
 
     def to_wire(self) -> list[Any]:
-        """What travels through Redis with the request (in its meta, as JSON)."""
+        """What travels through Redis with the request (in its meta, as JSON; the parking
+        store seals it, see :mod:`.seals`)."""
         return [
             self.reserved,
             self.reserved_at,
@@ -169,17 +170,18 @@ class Ticket:
             self.locally,
             self.waiting_since,
             self.moment_us,
-            None if self.reservation is None else [*self.reservation, self.seal],
+            None if self.reservation is None else list(self.reservation),
         ]
 
     @classmethod
-    def from_wire(cls, value: object, key: str, due: float) -> Ticket:
-        """The ticket of a request of *key* read back from Redis, due at *due*; anything
-        unexpected counts as no reservation (the request asks again)."""
+    def from_wire(cls, value: object, key: str, due: float, sealed: bool = False) -> Ticket:
+        """The ticket of a request of *key* read back from Redis, due at *due*; reserved only
+        if *sealed* (its seal is the fleet's); anything unexpected counts as no reservation
+        (the request asks again)."""
         if (
             isinstance(value, list)
-            # (6: parked by an earlier version, with no reservation to give back)
-            and len(value) in (6, 7)
+            # (6: parked by an earlier version, unsealed; 8: sealed, see RedisParking.park)
+            and len(value) in (6, 8)
             and isinstance(value[0], bool)
             and isinstance(value[3], bool)
             and all(_is_time(value[n]) for n in (1, 4))
@@ -188,7 +190,7 @@ class Ticket:
             reserved, reserved_at, process, locally, waiting_since, moment_us = value[:6]
             elsewhere = process != _PROCESS
             # Moments reserved in another process's own buckets hold nothing here.
-            reserved = reserved and not (locally and elsewhere)
+            reserved = reserved and sealed and not (locally and elsewhere)
             return cls(
                 key,
                 due,
@@ -198,7 +200,7 @@ class Ticket:
                 float(waiting_since),
                 elsewhere,
                 None if moment_us is None else float(moment_us),
-                *(_reservation(value[6]) if reserved and len(value) == 7 else (None, None)),
+                _reservation(value[6]) if reserved and len(value) == 8 else None,
             )
         now = time.time()
         return cls(key, due, False, False, now, now, elsewhere=True)
@@ -208,24 +210,28 @@ def _unused(ticket: Ticket) -> Unused | None:
     """The reservation of a request that will not go at its moment, to give back (None: it
     holds none in Redis)."""
     if ticket.reserved and ticket.reservation is not None:
-        return ticket.key, ticket.reservation, ticket.seal
+        return ticket.key, ticket.reservation
     return None
 
 
-def _reservation(value: object) -> tuple[Reservation | None, str | None]:
-    """A reservation and its seal read back from Redis: three whole numbers that
-    ``lua/unreserve.lua`` takes (else it would refuse the close's call for the whole domain)
-    and a string, else none."""
+def _reservation(value: object) -> Reservation | None:
+    """A reservation read back from Redis: three whole numbers that ``lua/unreserve.lua``
+    takes (else it would refuse the close's call for the whole domain), else none."""
     if (
         isinstance(value, list)
-        and len(value) == 4
-        and all(isinstance(n, int) and not isinstance(n, bool) for n in value[:3])
+        and len(value) == 3
+        and all(isinstance(n, int) and not isinstance(n, bool) for n in value)
         and 0 < value[1] <= value[0] < MAX_MOMENT_US
         and 0 <= value[2] < MAX_MOMENT_US
-        and isinstance(value[3], str)
     ):
-        return Reservation(value[0], value[1], value[2]), value[3]
-    return None, None
+        return Reservation(value[0], value[1], value[2])
+    return None
+
+
+def _sealed_message(member_id: bytes, key: str, wire: list[Any]) -> bytes:
+    """What a parked request's seal covers: its member's id (a copy under another id is no
+    request this fleet parked), its throttle key and its ticket."""
+    return b"\n".join((member_id, key.encode("utf-8", "surrogatepass"), json.dumps(wire).encode()))
 
 
 def _is_time(value: object) -> bool:
@@ -239,8 +245,8 @@ def _is_time(value: object) -> bool:
         return False
 
 
-Unused = tuple[str, Reservation, str | None]
-"""A reservation a request will not use: its throttle key, the reservation, its seal."""
+Unused = tuple[str, Reservation]
+"""A reservation a request will not use, with its throttle key."""
 
 
 class ParkUncertain(RedisConnectionError):
@@ -373,6 +379,7 @@ class RedisParking:
         spider: Spider,
         rejections: Rejections,
         leases: Leases | None = None,
+        seals: Seals | None = None,
     ) -> None:
         self.key = key
         self.index_key = moments_key(key)
@@ -381,6 +388,8 @@ class RedisParking:
         self._redis = redis
         self._spider = spider
         self._rejections = rejections
+        # None: a store of its own (the tools'): it seals nothing, and no ticket counts.
+        self._seals = seals or Seals()
         self._park_script = lua_script(redis, "park.lua")
         self._unpark_script = lua_script(redis, "unpark.lua")
         self._void_script = lua_script(redis, "void_parked.lua")
@@ -388,7 +397,10 @@ class RedisParking:
 
     async def park(self, request: Request, ticket: Ticket) -> None:
         meta = {name: value for name, value in request.meta.items() if name != LEASE_META}
-        wire = request.replace(meta={**meta, TICKET_META: ticket.to_wire()})
+        member_id = uuid.uuid4().hex.encode()  # two equal requests must stay two members
+        ticket_wire = ticket.to_wire()
+        seal = self._seals.seal(_sealed_message(member_id, ticket.key, ticket_wire))
+        wire = request.replace(meta={**meta, TICKET_META: [*ticket_wire, seal]})
         encoded = encode_request(wire, self._spider)  # Unparkable: before anything is done
         # The call may wait for the connection: its delay counts from Redis's time now (see
         # park.lua's ARGV[3]), not from when Redis runs it.
@@ -401,7 +413,7 @@ class RedisParking:
             (
                 # Indexed by its moment when it has one that a voiding may reach (see park.lua).
                 _INDEXED if ticket.reserved and key else _NOT_INDEXED,
-                uuid.uuid4().hex.encode(),  # two equal requests must stay two members
+                member_id,
                 # (A reserved_at read back from Redis may be anything: 16 digits, whatever.)
                 b"%05d%s%016d" % (len(key), key, min(max(int(reserved_at), 0), 10**16 - 1)),
                 encoded,
@@ -475,8 +487,9 @@ class RedisParking:
                     "dropped it",
                 )
                 continue
+            wire = request.meta.pop(TICKET_META, None)
             ticket = Ticket.from_wire(
-                request.meta.pop(TICKET_META, None), key, now + float(due_in_ms) / 1000
+                wire, key, now + float(due_in_ms) / 1000, self._sealed(member, key, wire)
             )
             if flag == _ASKS_AGAIN:
                 ticket = replace(ticket, reserved=False)
@@ -534,7 +547,7 @@ class RedisParking:
 
     def _reserved_in(self, member: bytes) -> Unused | None:
         """The reservation a member of the parking set holds (None: none, or not a member a
-        worker of this version parked)."""
+        worker of this fleet parked)."""
         try:
             flag, key, encoded = read_member(member)
             if flag != _INDEXED:
@@ -542,7 +555,28 @@ class RedisParking:
             request = decode_request(encoded, self._spider)
         except Exception:  # (a ValueError, unless a bug: either way, none; dropped anyway)
             return None
-        return _unused(Ticket.from_wire(request.meta.get(TICKET_META), key, 0.0))
+        wire = request.meta.get(TICKET_META)
+        return _unused(Ticket.from_wire(wire, key, 0.0, self._sealed(member, key, wire)))
+
+    def _sealed(self, member: bytes, key: str, wire: object) -> bool:
+        """Whether a ticket read back from the set (*wire*, of *member*, for *key*) bears the
+        fleet's seal; a reserved one without it is counted and logged."""
+        if not (isinstance(wire, list) and len(wire) == 8):
+            return False
+        try:
+            message = _sealed_message(bytes(member[1:33]), key, wire[:7])
+        except (TypeError, ValueError):  # (what json.loads gave json.dumps takes: a bug)
+            return False
+        if self._seals.check(message, wire[7]):
+            return True
+        if wire[0] is True:
+            self._rejections.reject(
+                "parked_ticket",
+                key,
+                "a parked request's reservation not sealed by this fleet",
+                "it asks for a moment anew",
+            )
+        return False
 
 
 def _indexed_key(key: str) -> bytes:
@@ -699,7 +733,7 @@ class ParkingArea:
             )
             self._unparkable.add(request)
             if isinstance(error, ParkUncertain):
-                ticket = replace(ticket, reserved=False, reservation=None, seal=None)
+                ticket = replace(ticket, reserved=False, reservation=None)
             self._give_back(request, ticket)
             return
         self._parks_done += 1
@@ -856,9 +890,7 @@ class ParkingArea:
             if (reservation := _unused(ticket)) is not None:
                 unused.append(reservation)
             now = asyncio.get_running_loop().time()
-            again = replace(
-                ticket, due=now, reserved=False, locally=False, reservation=None, seal=None
-            )
+            again = replace(ticket, due=now, reserved=False, locally=False, reservation=None)
             try:
                 await self._park_leased(request, again, request.meta.pop(LEASE_META, None))
             except Unparkable:  # (waiting in the downloader, it was counted and logged)
@@ -889,12 +921,16 @@ class ParkingArea:
         them."""
         if not unused or self._unreserve is None:
             return
-        by_key: dict[str, list[tuple[Reservation, str | None]]] = {}
-        for key, reservation, seal in unused:
-            by_key.setdefault(key, []).append((reservation, seal))
+        by_key: dict[str, list[Reservation]] = {}
+        for key, reservation in unused:
+            by_key.setdefault(key, []).append(reservation)
         taken = set_aside = 0
-        for key, sealed in by_key.items():
-            done = await self._unreserve(key, sealed)
+        for key, reservations in by_key.items():
+            try:
+                done = await self._unreserve(key, reservations)
+            except Exception:  # (a bug: the other domains' and the close's work must go on)
+                logger.exception("Redis throttle: could not give back moments of %r", key)
+                continue
             if done is not None:
                 taken, set_aside = taken + done.taken, set_aside + done.set_aside
         stats = self._crawler.stats
@@ -926,6 +962,7 @@ def attach(
     scheduler: BaseScheduler,
     rejections: Rejections,
     unreserve: Unreserve | None = None,
+    seals: Seals | None = None,
 ) -> ParkingArea:
     """Attach a parking area to the engine's *scheduler*, whatever its class: its
     ``enqueue_request``, ``next_request``, ``has_pending_requests`` and ``close`` are wrapped
@@ -948,7 +985,7 @@ def attach(
         url, params = crawl.queue_redis
         redis = connect_url(url, params, PARKING_CONNECTIONS)
         leases = _leases(crawler, scheduler, redis, key, config.lease_ttl)
-        store = RedisParking(redis, key, spider, rejections, leases)
+        store = RedisParking(redis, key, spider, rejections, leases, seals)
         # Known from the start, so that the spider neither closes nor idles on a guess (read
         # synchronously, as scrapy-redis itself reads its queue's length at start).
         store.parked = int(scheduler.server.zcard(key))
@@ -1047,9 +1084,11 @@ def _wrap(scheduler: BaseScheduler, area: ParkingArea) -> None:
         return area.has_pending_requests() or has_pending_requests()
 
     async def close_both(reason: str) -> None:
-        await area.stop()  # first: the scheduler's close may flush or save its queue
-        if close is not None and (result := close(reason)) is not None:
-            await maybe_deferred_to_future(result)
+        try:
+            await area.stop()  # first: the scheduler's close may flush or save its queue
+        finally:
+            if close is not None and (result := close(reason)) is not None:
+                await maybe_deferred_to_future(result)
 
     def closing(reason: str) -> Deferred[None]:
         return deferred_from_coro(close_both(reason))

@@ -29,8 +29,6 @@ never goes unthrottled, nor asks again at once).
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
 import time
 from dataclasses import dataclass
@@ -44,6 +42,7 @@ from .bucket import AcquireResult, TokenBucket
 from .config import FALLBACK_LOCAL, FALLBACK_OPEN, STATS_PREFIX
 from .connection import ping
 from .rejections import Rejections
+from .seals import Seals
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -66,8 +65,6 @@ FIRST_PROBE_DELAY = 0.5
 # after the last clean-up): a crawl of millions of domains must not grow without bound.
 LOCAL_PRUNE_SIZE = 10_000
 
-# Hex digits of a reservation's seal (see ResilientBucket.seal): 128 bits.
-SEAL_DIGITS = 32
 # How the scripts' error replies begin, once redis-py has taken "ERR " off; and Redis's reply
 # to a script that met a key of another type (something else wrote it): that domain's problem,
 # not a failure of Redis.
@@ -272,7 +269,7 @@ class ResilientBucket:
         # The key of the last call that failed: on a Redis Cluster, the probe tries its primary
         # (another one may answer while it is down).
         self._failed_key: str | None = None
-        self._secret: bytes | None = None
+        self.seals = Seals()
 
     async def check(self) -> None:
         """PING Redis at start-up, so that an unavailable Redis is reported before the first
@@ -284,23 +281,17 @@ class ResilientBucket:
         except RedisError as exc:
             self._failed(exc)
             return
-        try:
-            self._secret = await self._bucket.load_secret()
-        except (RedisError, ValueError) as exc:
-            # Not fatal: the reservations of parked requests are then never given back.
-            self._rejections.reject(
-                "secret", "", str(exc)[:300], "reservations parked are not given back"
-            )
+        await self._load_secret()
 
-    def seal(self, key: str, reservation: Reservation) -> str | None:
-        """*reservation* of *key*, sealed with the fleet's secret (None: none known): see
-        :meth:`unreserve`."""
-        if self._secret is None:
-            return None
-        message = f"{key}\n{reservation.after} {reservation.step} {reservation.at}".encode(
-            "utf-8", "surrogatepass"
-        )
-        return hmac.new(self._secret, message, hashlib.sha256).hexdigest()[:SEAL_DIGITS]
+    async def _load_secret(self) -> None:
+        """Learn the fleet's secret (see :mod:`.seals`): at start, else once Redis is back."""
+        try:
+            self.seals.know(await self._bucket.load_secret())
+        except (RedisError, ValueError) as exc:
+            # Not fatal: meanwhile what this worker parks asks again when it comes back.
+            self._rejections.reject(
+                "secret", "", str(exc)[:300], "parked requests keep no reservation"
+            )
 
     async def acquire(self, key: str, limit: Limit, cost: float) -> Grant:
         waited = False
@@ -411,25 +402,12 @@ class ResilientBucket:
             return None
         return await self._answered(key, self._bucket.slow_down(key, limit, adaptive, age, hold))
 
-    async def unreserve(
-        self, key: str, sealed: list[tuple[Reservation, str | None]]
-    ) -> Unreserved | None:
-        """Give *key*'s bucket back the reservations of *sealed* whose seals are this fleet's
-        (see :meth:`.TokenBucket.unreserve`; a parked request's ticket comes back from
-        scrapy-redis's Redis, which others may write); None when Redis could not be told
-        (they expire with their moments)."""
-        genuine = []
-        for reservation, seal in sealed:
-            expected = self.seal(key, reservation)
-            if expected is not None and seal is not None and hmac.compare_digest(expected, seal):
-                genuine.append(reservation)
-            elif self._secret is not None:
-                self._rejections.reject(
-                    "reservation", key, "a reservation not sealed by this fleet", "kept it"
-                )
-        if not genuine or self.breaker.open_for() is not None:
+    async def unreserve(self, key: str, reservations: list[Reservation]) -> Unreserved | None:
+        """Give *key*'s bucket back *reservations* (see :meth:`.TokenBucket.unreserve`); None
+        when Redis could not be told (they expire with their moments)."""
+        if self.breaker.open_for() is not None:
             return None
-        return await self._answered(key, self._bucket.unreserve(key, genuine))
+        return await self._answered(key, self._bucket.unreserve(key, reservations))
 
     async def _answered(self, key: str, call: Awaitable[_T]) -> _T | None:
         """:meth:`_guarded`, with a refused call taken as no answer."""
@@ -479,7 +457,7 @@ class ResilientBucket:
         while self.breaker.open_for() is not None:
             await sleep(self.breaker.next_probe_in())
             if self.breaker.open_for() is None:  # a call under way got through meanwhile
-                return
+                break
             self._stats.inc_value(f"{STATS_PREFIX}/redis_calls")
             try:
                 await self._bucket.probe(self._failed_key)
@@ -487,6 +465,8 @@ class ResilientBucket:
                 self._stats.inc_value(f"{STATS_PREFIX}/redis_errors/{type(exc).__name__}")
                 continue
             self._succeeded()
+        if not self.seals.known:  # Redis was down at start
+            await self._load_secret()
 
     def describe_policy(self) -> str:
         """What requests do while Redis fails, for the logs."""

@@ -263,5 +263,4 @@ class Turns:
             False,
             result.moment_us if result.reserved and grant.shared else None,
             reservation,
-            None if reservation is None else self._budget.seal(key, reservation),
         )

@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import pytest
 import redis
@@ -50,7 +51,7 @@ from scrapy_redis_throttle.connection import ThrottleRedis, close, connect, conn
 from scrapy_redis_throttle.control import LiveControl
 from scrapy_redis_throttle.crawl_delay import MIN_CRAWL_DELAY, parse_crawl_delay
 from scrapy_redis_throttle.errors import ThrottleConfigError
-from scrapy_redis_throttle.parking import RedisParking, Ticket
+from scrapy_redis_throttle.parking import RedisParking, Ticket, read_member
 from scrapy_redis_throttle.penalties import (
     MAX_RESUBSCRIBE_DELAY,
     MAX_RETRY_AFTER,
@@ -65,6 +66,7 @@ from scrapy_redis_throttle.rejections import Rejections
 from scrapy_redis_throttle.request_codec import Unparkable, decode_request, encode_request
 from scrapy_redis_throttle.resilience import ResilientBucket
 from scrapy_redis_throttle.scripts import load_script
+from scrapy_redis_throttle.seals import Seals
 
 A, B, C = HOSTS
 
@@ -578,43 +580,108 @@ async def test_a_domain_key_of_another_type_is_that_domains_problem(
 
 
 @async_test
-async def test_reservations_whose_seals_are_not_the_fleets_are_not_given_back(
+async def test_parked_tickets_count_only_with_the_fleets_seal(redis_server: RedisServer) -> None:
+    """Whoever may write into scrapy-redis's Redis may forge a parked request's ticket: "my
+    moment is reserved" (it would go without asking the bucket), or a reservation to give back
+    (its bucket's time, and a step back to long ago: the bucket full while other moments are
+    held). A ticket counts only sealed with the fleet's secret (in the throttle's Redis), for
+    its own member: a forged one, a copy under another id, or one sealed with another secret
+    asks anew and gives nothing back, counted and logged."""
+    stats = MemoryStatsCollector(get_crawler())
+    seals = Seals()
+    seals.know(b"s" * 64)
+    store = RedisParking(
+        connect_url(redis_server.url, {}, 1),
+        "sealed:parked",
+        CodecSpider(),
+        Rejections(stats, dict),
+        seals=seals,
+    )
+    loop_now, now = asyncio.get_running_loop().time(), time.time()
+    reservation = Reservation(9_000_000_000_000, 60_000_000, 8_000_000_000_000)
+    ticket = Ticket(A, loop_now, True, False, now, now, False, 1e15, reservation)
+    await store.park(Request(f"http://{A}/page/0"), ticket)
+    other_seals = Seals()
+    other_seals.know(b"t" * 64)  # another fleet's secret (or an old one)
+    other = RedisParking(
+        connect_url(redis_server.url, {}, 1),
+        "sealed:parked",
+        CodecSpider(),
+        Rejections(MemoryStatsCollector(get_crawler()), dict),
+        seals=other_seals,
+    )
+    try:
+        await other.park(Request(f"http://{A}/other"), ticket)
+    finally:
+        await other.close(keep=True)
+    with redis_server.client() as client:
+        (genuine,) = [m for m in client.zrange("sealed:parked", 0, -1) if b"/page/0" in m]
+        flag, key, body = read_member(genuine)
+        fields = json.loads(body)
+        wire = fields["meta"]["_redis_throttle_ticket"]
+        assert len(wire) == 8
+        assert isinstance(wire[7], str)
+        assert len(wire[7]) == 32
+
+        def forged(url: str, ticket_wire: object, member_id: bytes | None = None) -> bytes:
+            fields["url"] = url
+            fields["meta"]["_redis_throttle_ticket"] = ticket_wire
+            member = parked_member(flag, key, json.dumps(fields).encode())
+            return member if member_id is None else member[:1] + member_id + member[33:]
+
+        members = {
+            "/copy": forged(f"http://{A}/copy", wire),  # another id, the genuine seal
+            "/old": forged(f"http://{A}/old", wire[:6]),  # an earlier version's: no seal
+            "/none": forged(f"http://{A}/none", [*wire[:7], None]),
+            "/nonascii": forged(f"http://{A}/nonascii", [*wire[:7], "\u00e9" * 32]),
+            "/surrogate": forged(f"http://{A}/surrogate", [*wire[:7], "\ud800" * 32]),
+            "/altered": forged(  # its seal, its id, a step back to long ago
+                f"http://{A}/altered",
+                [*wire[:6], [reservation.after, 1, 1], wire[7]],
+                genuine[1:33],
+            ),
+        }
+        client.zadd("sealed:parked", {member: 0 for member in members.values()})
+    try:
+        due, _ = await store.unpark(ahead=60, limit=10)
+    finally:
+        await store.close(keep=False)
+    tickets = {urlparse(request.url).path: ticket for request, ticket in due}
+    assert sorted(tickets) == sorted(["/page/0", "/other", *members])
+    assert (tickets["/page/0"].reserved, tickets["/page/0"].reservation) == (True, reservation)
+    for path in [*members, "/other"]:
+        assert (tickets[path].reserved, tickets[path].reservation) == (False, None), path
+    # Another fleet's too; an earlier version's, unsealed, is no forgery: not counted.
+    assert stats.get_value("redis_throttle/rejected/parked_ticket") == len(members) - 1 + 1
+
+
+@async_test
+async def test_a_close_gives_back_only_the_reservations_the_fleet_sealed(
     redis_server: RedisServer,
 ) -> None:
-    """Whoever may write into scrapy-redis's Redis may forge a parked request's reservation
-    (its bucket's time, and a step back to long ago): given back, the bucket would be full
-    while other moments are still held. Only those sealed with the fleet's secret (in the
-    throttle's Redis) go back; a worker whose secret is gone gives none back."""
-    config = ThrottleConfig.from_settings(Settings({"REDIS_THROTTLE_URL": redis_server.url}))
-    stats = MemoryStatsCollector(get_crawler())
-    bucket = ResilientBucket(connect(config), config, stats, dict)
-    limit = Limit(rate=1 / 60, burst=1, text="1/m")
-    domain, key = "a.example", bucket_key("redis_throttle", "a.example")
-    try:
-        await bucket.check()
-        assert (await bucket.acquire(domain, limit, 1)).result.allowed
-        held = (await bucket.acquire(domain, limit, 1)).result.reservation
-        assert held is not None
-        forged = Reservation(held.after, held.after - 1, held.at)
-        assert await bucket.unreserve(domain, [(forged, "0" * 32), (forged, None)]) is None
-        assert stats.get_value("redis_throttle/rejected/reservation") == 2
-        with redis_server.client() as client:
-            assert int(client.get(key)) == held.after, "the bucket keeps every moment held"
-        done = await bucket.unreserve(domain, [(held, bucket.seal(domain, held))])
-        assert done == (1, 0), "the fleet's own seal"
-        with redis_server.client() as client:
-            client.set(key, held.after, px=60_000)  # held again
-            client.set("redis_throttle:secret", "x" * 64)  # another fleet's, or forged
-        stranger = ResilientBucket(connect(config), config, stats, dict)
-        try:
-            await stranger.check()
-            assert await stranger.unreserve(domain, [(held, bucket.seal(domain, held))]) is None
-        finally:
-            await stranger.aclose()
-    finally:
-        await bucket.aclose()
+    seals = Seals()
+    seals.know(b"s" * 64)
+    store = RedisParking(
+        connect_url(redis_server.url, {}, 1),
+        "drop:parked",
+        CodecSpider(),
+        Rejections(MemoryStatsCollector(get_crawler()), dict),
+        seals=seals,
+    )
+    loop_now, now = asyncio.get_running_loop().time(), time.time()
+    reservation = Reservation(9_000_000_000_000, 60_000_000, 8_000_000_000_000)
+    ticket = Ticket(A, loop_now + 60, True, False, now, now, False, 1e15, reservation)
+    await store.park(Request(f"http://{A}/page/0"), ticket)
     with redis_server.client() as client:
-        assert int(client.get(key)) == held.after
+        (genuine,) = client.zrange("drop:parked", 0, -1)
+        flag, key, body = read_member(genuine)
+        fields = json.loads(body)
+        wire = fields["meta"]["_redis_throttle_ticket"]
+        fields["meta"]["_redis_throttle_ticket"] = [*wire[:6], [reservation.after, 1, 1], wire[7]]
+        altered = parked_member(flag, key, json.dumps(fields).encode())
+        client.zadd("drop:parked", {altered[:1] + genuine[1:33] + altered[33:]: 0})
+    closed = await store.close(keep=False)
+    assert closed == (2, [(A, reservation)])
 
 
 @pytest.mark.parametrize("adaptive", [b"nan 0 0 5", b"-1 0 0 5", b"x y z 5", b"0 0 0 5"])

@@ -426,45 +426,46 @@ def test_a_member_not_of_park_luas_form_is_refused() -> None:
 
 def test_tickets_read_back_from_redis_are_parsed_strictly() -> None:
     """A field that is not a time, such as an integer no float holds, or a ticket of another
-    shape makes it unreserved (that request asks again), and nothing else fails."""
+    shape makes it unreserved (that request asks again), and nothing else fails; so does a
+    ticket without the fleet's seal (see test_hostile's)."""
     now = time.time()
-    current = Ticket.from_wire([True, now, "another-process", False, now, 1e15], SLOW, 5.0)
+
+    def read(wire: list[Any], sealed: bool = True) -> Ticket:
+        return Ticket.from_wire([*wire, "seal"] if len(wire) == 7 else wire, SLOW, 5.0, sealed)
+
+    current = read([True, now, "another-process", False, now, 1e15, None])
     assert (current.reserved, current.moment_us, current.elsewhere) == (True, 1e15, True)
-    unmoved = Ticket.from_wire([True, now, "another-process", False, now, None], SLOW, 5.0)
+    assert read([True, now, "another-process", False, now, 1e15, None], False).reserved is False
+    unmoved = read([True, now, "another-process", False, now, None, None])
     assert (unmoved.reserved, unmoved.moment_us) == (True, None)
     for moment in (10**400, float("nan"), "1e15", True):
-        hostile = Ticket.from_wire([True, now, "another-process", False, now, moment], SLOW, 5.0)
+        hostile = read([True, now, "another-process", False, now, moment, None])
         assert (hostile.reserved, hostile.moment_us, hostile.due) == (False, None, 5.0), moment
-    assert Ticket.from_wire([True, 10**400, "p", False, now, None], SLOW, 5.0).reserved is False
-    assert Ticket.from_wire([True, now, "p", False, now], SLOW, 5.0).reserved is False
-    # Its reservation, to give back at a close, and its seal: three whole numbers, the step at
-    # most the time after, and a string; anything else is none to give back (an error would
-    # fail its whole domain's call).
+    assert read([True, 10**400, "p", False, now, None, None]).reserved is False
+    assert read([True, now, "p", False, now]).reserved is False
+    # Its reservation, to give back at a close: three whole numbers, the step at most the time
+    # after; anything else is none to give back (an error would fail its domain's call).
     fields = [True, now, "p", False, now, 1e15]
-    given = Ticket.from_wire([*fields, [7_000_000, 2_000_000, 4_000_000, "seal"]], SLOW, 5.0)
-    assert (given.reservation, given.seal) == (Reservation(7_000_000, 2_000_000, 4_000_000), "seal")
-    assert Ticket.from_wire(fields, SLOW, 5.0).reservation is None, "an earlier version's"
+    given = read([*fields, [7_000_000, 2_000_000, 4_000_000]])
+    assert given.reservation == Reservation(7_000_000, 2_000_000, 4_000_000)
     for reservation in (
         None,
-        [7, 8, 1, "s"],
-        [7, 0, 1, "s"],
-        [7.5, 2, 1, "s"],
-        [10**15, 2, 1, "s"],
-        [7, 2, -1, "s"],
-        [7, 2, 10**15, "s"],
-        [True, 1, 1, "s"],
-        ["7", "2", "1", "s"],
-        [7, 2, 1, None],
-        [7, 2, 1],
-        [7, 2, 1, "s", 1],
+        [7, 8, 1],
+        [7, 0, 1],
+        [7.5, 2, 1],
+        [10**15, 2, 1],
+        [7, 2, -1],
+        [7, 2, 10**15],
+        [True, 1, 1],
+        ["7", "2", "1"],
+        [7, 2],
+        [7, 2, 1, 1],
         {"after": 7},
-        [[7], 2, 1, "s"],
+        [[7], 2, 1],
     ):
-        hostile = Ticket.from_wire([*fields, reservation], SLOW, 5.0)
-        assert (hostile.reserved, hostile.reservation, hostile.seal) == (True, None, None), (
-            reservation
-        )
-    unreserved = Ticket.from_wire([False, *fields[1:], [7_000_000, 2_000_000, 1, "s"]], SLOW, 5.0)
+        hostile = read([*fields, reservation])
+        assert (hostile.reserved, hostile.reservation) == (True, None), reservation
+    unreserved = read([False, *fields[1:], [7_000_000, 2_000_000, 1]])
     assert unreserved.reservation is None, "nothing reserved, nothing to give back"
 
 
