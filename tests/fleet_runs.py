@@ -137,7 +137,12 @@ def wait_for_workers(
         try:
             stdout, stderr = worker.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"a worker still runs {timeout:g} s after {what}") from None
+            worker.kill()  # its log, to tell why it still ran
+            _, stderr = worker.communicate()
+            raise AssertionError(
+                f"a worker still runs {timeout:g} s after {what}; the end of its log:\n"
+                f"{stderr[-4000:]}"
+            ) from None
         at = time.monotonic()
         lines = stdout.strip().splitlines()
         stats = json.loads(lines[-1].removeprefix("STATS ")) if lines else {}
