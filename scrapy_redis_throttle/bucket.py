@@ -330,9 +330,8 @@ class TokenBucket:
         return Unreserved(taken, set_aside)
 
     async def load_secret(self) -> bytes:
-        """The fleet's secret (made by the first worker, kept in Redis): it seals what this
-        worker parks with a reservation, which only a worker of the fleet may then give back
-        (whoever may write into scrapy-redis's Redis could otherwise empty any bucket)."""
+        """The fleet's secret (made by the first worker, kept in Redis): it seals the tickets of
+        the requests this worker parks (see :mod:`.seals`)."""
         key = secret_key(self._key_prefix)
         await self._redis.set(key, secrets.token_hex(32), nx=True)
         secret = await self._redis.get(key)

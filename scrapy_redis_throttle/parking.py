@@ -388,7 +388,7 @@ class RedisParking:
         self._redis = redis
         self._spider = spider
         self._rejections = rejections
-        # None: a store of its own (the tools'): it seals nothing, and no ticket counts.
+        # None (no throttle's Redis to keep a secret): it seals nothing, and no ticket counts.
         self._seals = seals or Seals()
         self._park_script = lua_script(redis, "park.lua")
         self._unpark_script = lua_script(redis, "unpark.lua")

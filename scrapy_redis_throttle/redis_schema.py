@@ -97,8 +97,7 @@ def void_key(prefix: str, domain: str) -> str:
 
 
 def secret_key(prefix: str) -> str:
-    """The fleet's secret, which seals the reservations parked requests carry (see
-    :meth:`.TokenBucket.load_secret`)."""
+    """The fleet's secret, which seals the tickets of parked requests (see :mod:`.seals`)."""
     return f"{prefix}:secret"
 
 
