@@ -579,6 +579,18 @@ async def test_a_domain_key_of_another_type_is_that_domains_problem(
     no_redis_failure({k: v for k, v in stats.get_stats().items() if "fallback" not in k})
 
 
+def sealing_store(
+    server: RedisServer, key: str, secret: bytes, stats: MemoryStatsCollector | None = None
+) -> RedisParking:
+    """A parking set in *server* whose worker knows the fleet's *secret*."""
+    seals = Seals()
+    seals.know(secret)
+    stats = stats or MemoryStatsCollector(get_crawler())
+    return RedisParking(
+        connect_url(server.url, {}, 1), key, CodecSpider(), Rejections(stats, dict), seals=seals
+    )
+
+
 @async_test
 async def test_parked_tickets_count_only_with_the_fleets_seal(redis_server: RedisServer) -> None:
     """Whoever may write into scrapy-redis's Redis may forge a parked request's ticket: "my
@@ -588,28 +600,12 @@ async def test_parked_tickets_count_only_with_the_fleets_seal(redis_server: Redi
     its own member: a forged one, a copy under another id, or one sealed with another secret
     asks anew and gives nothing back, counted and logged."""
     stats = MemoryStatsCollector(get_crawler())
-    seals = Seals()
-    seals.know(b"s" * 64)
-    store = RedisParking(
-        connect_url(redis_server.url, {}, 1),
-        "sealed:parked",
-        CodecSpider(),
-        Rejections(stats, dict),
-        seals=seals,
-    )
+    store = sealing_store(redis_server, "sealed:parked", b"s" * 64, stats)
     loop_now, now = asyncio.get_running_loop().time(), time.time()
     reservation = Reservation(9_000_000_000_000, 60_000_000, 8_000_000_000_000)
     ticket = Ticket(A, loop_now, True, False, now, now, False, 1e15, reservation)
     await store.park(Request(f"http://{A}/page/0"), ticket)
-    other_seals = Seals()
-    other_seals.know(b"t" * 64)  # another fleet's secret (or an old one)
-    other = RedisParking(
-        connect_url(redis_server.url, {}, 1),
-        "sealed:parked",
-        CodecSpider(),
-        Rejections(MemoryStatsCollector(get_crawler()), dict),
-        seals=other_seals,
-    )
+    other = sealing_store(redis_server, "sealed:parked", b"t" * 64)  # another fleet's secret
     try:
         await other.park(Request(f"http://{A}/other"), ticket)
     finally:
@@ -659,15 +655,7 @@ async def test_parked_tickets_count_only_with_the_fleets_seal(redis_server: Redi
 async def test_a_close_gives_back_only_the_reservations_the_fleet_sealed(
     redis_server: RedisServer,
 ) -> None:
-    seals = Seals()
-    seals.know(b"s" * 64)
-    store = RedisParking(
-        connect_url(redis_server.url, {}, 1),
-        "drop:parked",
-        CodecSpider(),
-        Rejections(MemoryStatsCollector(get_crawler()), dict),
-        seals=seals,
-    )
+    store = sealing_store(redis_server, "drop:parked", b"s" * 64)
     loop_now, now = asyncio.get_running_loop().time(), time.time()
     reservation = Reservation(9_000_000_000_000, 60_000_000, 8_000_000_000_000)
     ticket = Ticket(A, loop_now + 60, True, False, now, now, False, 1e15, reservation)
