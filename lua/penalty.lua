@@ -79,13 +79,13 @@ redis.call("PEXPIRE", KEYS[2], math.ceil((pause + decay * strikes) / 1000))
 -- No token before the pause ends, and none to spare at its end: the domain starts again at
 -- its rate, without a burst.
 -- A limit set live follows the bucket's time in its value (see token_bucket.lua): kept.
-local tat, live = string.match(redis.call("GET", KEYS[1]) or "", "^(%d*)(.*)$")
-tat = math.max(time_read(tat, now) or 0, new_until + (burst - 1) * interval)
+local tat, live = bucket_read(KEYS[1], now)
+tat = math.max(tat or 0, new_until + (burst - 1) * interval)
 redis.call("SET", KEYS[1], string.format("%d", tat) .. live,
   unpack(live == "" and {"PX", math.max(1, math.ceil((tat - now) / 1000))} or {}))
 -- Kept for the workers that were not subscribed when it was published (see voided.lua).
-local _, voided_until = string.match(redis.call("GET", KEYS[3]) or "", "^(%d+) (%d+)$")
-voided_until = math.max(new_until, time_read(voided_until, now) or 0)
+local _, voided_until = voiding_read(KEYS[3], now)
+voided_until = math.max(new_until, voided_until or 0)
 redis.call("SET", KEYS[3], string.format("%d %d", now, voided_until),
   "PX", math.max(1, math.ceil((voided_until - now) / 1000)))
 redis.call("PUBLISH", ARGV[7], string.format("%d", pause) .. " " .. ARGV[8])

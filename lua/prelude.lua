@@ -37,3 +37,31 @@ end
 local function time_read(value, now)
   return number_read(value, now + MAX_AHEAD)
 end
+
+-- A domain's bucket (see token_bucket.lua): "<tat>", or with a limit set live "<tat> <rate|->
+-- <burst|-> <paused 0|1>[ <more limits>]". Returns its time (a moment, or nil: none or
+-- garbage), the live part as written (" <rate> ...", "" when none) and its fields, as strings
+-- for the caller to check (nil when none). Garbage is no live limit: the workers' own applies.
+-- Separators required: optional ones let Lua try every split of a long token (400 bytes took
+-- 27 s).
+local function bucket_read(key, now)
+  local state = redis.call("GET", key) or ""
+  if #state > MAX_VALUE_BYTES then
+    return nil, ""
+  end
+  local tat = string.match(state, "^(%d+)$")
+  if tat then
+    return time_read(tat, now), ""
+  end
+  local live, rate, burst, paused, limits
+  tat, live, rate, burst, paused, limits =
+    string.match(state, "^(%d+)( (%S+) (%S+) ([01]) ?(%S*))$")
+  return time_read(tat, now), live or "", rate, burst, paused, limits
+end
+
+-- A domain's void key (see voided.lua), "<voided_at> <voided_until>": the two moments, or nils.
+local function voiding_read(key, now)
+  local voided_at, voided_until =
+    string.match(redis.call("GET", key) or "", "^(%d+) (%d+)$")
+  return time_read(voided_at, now), time_read(voided_until, now)
+end

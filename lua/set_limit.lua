@@ -50,24 +50,12 @@ end
 
 local now = server_now()
 
-local state = redis.call("GET", KEYS[1]) or ""
-if #state > MAX_VALUE_BYTES then
-  state = ""
-end
--- "<tat>" or "<tat> <rate> <burst> <paused>[ <more limits>]" (see token_bucket.lua), else
--- garbage. Separators required: optional ones let Lua try every split of a long token (400
--- bytes took 27 s).
-local tat, live_rate, live_burst, paused, live_limits = string.match(state, "^(%d+)$")
-if not tat then
-  tat, live_rate, live_burst, paused, live_limits =
-    string.match(state, "^(%d+) (%S+) (%S+) ([01]) ?(%S*)$")
-end
-tat = time_read(tat, now)
+local tat, _, live_rate, live_burst, paused, live_limits = bucket_read(KEYS[1], now)
 -- Read before anything is written: a key of another type (WRONGTYPE) fails the call whole.
 local paused_until = time_read(redis.call("HGET", KEYS[2], "until"), now) or 0
-local _, voided_until = string.match(redis.call("GET", KEYS[3]) or "", "^(%d+) (%d+)$")
-voided_until = time_read(voided_until, now) or 0
-if not live_rate or live_rate == "" then  -- no live limit yet
+local _, voided_until = voiding_read(KEYS[3], now)
+voided_until = voided_until or 0
+if not live_rate then  -- no live limit yet
   live_rate, live_burst, paused, live_limits = "-", "-", "0", ""
 end
 

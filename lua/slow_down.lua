@@ -51,9 +51,8 @@ local now = server_now()
 
 -- A limit set live follows the bucket's time in its value (see token_bucket.lua): its rate, if
 -- it sets one, is the configured rate here; the value is kept.
-local tat, live = string.match(redis.call("GET", KEYS[1]) or "", "^(%d*)(.*)$")
-tat = time_read(tat, now)
-local live_rate = number_read(string.match(live, "^ (%S+)"), math.huge)
+local tat, live, live_rate = bucket_read(KEYS[1], now)
+live_rate = number_read(live_rate, math.huge)
 if live_rate and live_rate > 0 then
   rate = live_rate
 end

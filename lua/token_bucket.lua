@@ -114,21 +114,11 @@ local now = server_now()
 -- follows it in the same value, "<tat> <rate|-> <burst|-> <paused 0|1>[ <more limits>]", so
 -- that reading it costs no call, and it overrides ARGV's ("-": ARGV's). A rate set live comes
 -- with the domain's more limits ("t5/2e5,s10/2e6": algorithm, count/period), maybe none.
-local state = redis.call("GET", KEYS[1])
-if state and #state > MAX_VALUE_BYTES then
-  state = nil
+local tat, live, rate, live_burst, paused, live_limits = bucket_read(KEYS[1], now)
+if paused == "1" then
+  return {3, 0, 0, now}
 end
-local tat = tonumber(state)
-local live = ""
-local live_limits
-if state and not tat then
-  local rate, live_burst, paused
-  tat, live, rate, live_burst, paused, live_limits =
-    string.match(state, "^(%d+)( (%S+) (%S+) ([01]) ?(%S*))$")
-  if paused == "1" then
-    return {3, 0, 0, now}
-  end
-  tat, live = tonumber(tat), live or ""
+if live ~= "" then
   -- Read from Redis, checked as the arguments are: a field that is no limit (garbage, written
   -- by hand) is ignored and the workers' own applies, never an error every request would get.
   local live_rate, live_count = tonumber(rate), tonumber(live_burst)
@@ -143,9 +133,6 @@ if state and not tat then
     burst = live_count
     cost = math.min(cost, burst)
   end
-end
-if tat and not (tat > -huge and tat < now + MAX_AHEAD) then  -- NaN, or garbage far ahead
-  tat = nil
 end
 
 -- The more limits (nil: none): those set live with the rate, else ARGV's.

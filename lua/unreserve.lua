@@ -42,8 +42,7 @@ if #ARGV % 3 ~= 0 or #ARGV > 3 * MAX_RESERVATIONS then
   return redis.error_reply("ERR redis_throttle: unreserve takes at most " .. MAX_RESERVATIONS
     .. " triples of after, step and at, got " .. #ARGV .. " arguments")
 end
-local voided_at = time_read(string.match(redis.call("GET", KEYS[3]) or "", "^(%d+) %d+$"), now)
-  or -math.huge
+local voided_at = voiding_read(KEYS[3], now) or -math.huge
 
 -- Whether a reservation may be taken out: made after the last voiding, and not "after" now by
 -- a clock that stepped back (numbers, or nil).
@@ -70,17 +69,8 @@ for index = 1, #ARGV, 3 do
   end
 end
 
--- "<tat>" or "<tat> <rate> <burst> <paused>[ <more limits>]" (see token_bucket.lua); anything
--- else is left alone, and so are the reservations.
-local state = redis.call("GET", KEYS[1]) or ""
-local tat, live = nil, ""
-if #state <= MAX_VALUE_BYTES then
-  tat = string.match(state, "^(%d+)$")
-  if not tat then
-    tat, live = string.match(state, "^(%d+)( %S+ %S+ [01] ?%S*)$")
-  end
-end
-tat = time_read(tat, now)
+-- A bucket that is garbage is left alone, and so are the reservations.
+local tat, live = bucket_read(KEYS[1], now)
 
 local taken = 0
 if tat then

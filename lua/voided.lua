@@ -15,12 +15,11 @@
 -- Returns {} when nothing is voided now, else {age_us, left_us}: how long ago the last voiding
 -- was, and how long until the voided moments end (integers).
 
-local voided_at, voided_until = string.match(redis.call("GET", KEYS[1]) or "", "^(%d+) (%d+)$")
-voided_at, voided_until = tonumber(voided_at), tonumber(voided_until)
+local now = server_now()
+local voided_at, voided_until = voiding_read(KEYS[1], now)
 if not voided_at or not voided_until then
   return {}  -- none, or not ours: nothing to read
 end
-local now = server_now()
 if voided_until <= now then
   return {}
 end

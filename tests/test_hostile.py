@@ -536,6 +536,13 @@ def test_garbage_read_by_the_pausing_scripts_is_ignored_not_an_error(
             reply = call(keys=["b", "b:p", "b:v"], args=SET_LIMIT_ARGS)
             assert reply[0] == b"5 2 0", reply
         assert all(abs(int(n)) < 10**15 for n in reply[1:] if isinstance(n, int)), reply
+        # What it wrote is a bucket the scripts read (garbage is not kept), which expires
+        # unless a limit set live keeps it.
+        state = client.get("b")
+        assert state is not None
+        written = re.fullmatch(rb"(\d+)( \S+ \S+ [01]( \S+)?)?", state)
+        assert written and int(written[1]) < 10**15, state
+        assert written[2] or client.pttl("b") != -1, state
 
 
 def test_the_tools_limit_is_all_or_nothing_when_a_key_has_another_type(
