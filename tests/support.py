@@ -25,7 +25,8 @@ from spiders import BASE_SETTINGS, UrlListSpider
 from twisted.internet.defer import Deferred
 
 from scrapy_redis_throttle.bucket import TokenBucket
-from scrapy_redis_throttle.redis_schema import server_micros
+from scrapy_redis_throttle.redis_schema import EPOCH, server_micros
+from scrapy_redis_throttle.waiting import MOMENT_SLACK
 
 if TYPE_CHECKING:
     import redis
@@ -142,6 +143,22 @@ def assert_paced(
                 f"{what}: {j - i + 1} arrivals within {times[j] - first:.3f} s "
                 f"(limit {rate}/s, burst {burst}: at most {allowed:.2f})"
             )
+
+
+def assert_never_early(arrivals: list[float], moments_us: list[float], what: str) -> None:
+    """No request reached the site before its moment: the i-th of the *arrivals* (wall times,
+    the kernel's) is not before the i-th of the *moments_us* reserved (µs since the scripts'
+    epoch by Redis's clock: this machine's clock too), up to the loop's ``MOMENT_SLACK``. So by
+    any time the site has seen no more requests than the budget had reserved by then. (How late
+    after its moment a request arrives is the machine's latency, which tests do not time.)"""
+    moments = sorted(EPOCH + moment / 1e6 for moment in moments_us)
+    assert len(moments) >= len(arrivals), (
+        f"{what}: {len(arrivals)} arrivals, {len(moments)} moments"
+    )
+    for arrival, moment in zip(sorted(arrivals), moments, strict=False):
+        assert arrival >= moment - MOMENT_SLACK, (
+            f"{what}: a request arrived {moment - arrival:.6f} s before its moment"
+        )
 
 
 def achieved_rate(times: list[float], burst: int) -> float:

@@ -16,7 +16,7 @@ from demo_site import HOSTS, DemoSite
 from local_redis import RedisServer
 from run_demo import busiest_window
 from support import (
-    ARRIVAL_JITTER,
+    assert_never_early,
     async_test,
     crawl_settings,
     finish_crawl_workers,
@@ -380,16 +380,18 @@ def test_a_fleet_keeps_to_a_sliding_window(redis_server: RedisServer) -> None:
     with DemoSite(HOSTS, pages=60) as site:
         jobs = one_domain_jobs(site, A, crawl_settings(redis_server.url), rates, 3, 20)
         finish_crawl_workers(start_crawl_workers(redis_server.url, jobs), 120)
-        arrivals = [arrival.time for arrival in site.arrivals(A)]
+        arrivals = [arrival.wall_time for arrival in site.arrivals(A)]
     with redis.Redis.from_url(redis_server.url) as client:
         moments = logged(client, bucket_key("redis_throttle", A))
 
-    assert len(arrivals) == len(moments) == 60
+    assert len(arrivals) == 60
+    # The log also keeps the moment of a request whose busy worker missed it and asked anew.
+    assert len(moments) >= 60
     assert max(moments) - min(moments) > 10_000_000, "60 at 10 per 2 s: over 10 s"
-    # Exact in Redis's clock: no 2 s window holds more than 10.
+    # Exact in Redis's clock: no 2 s window holds more than 10...
     assert busiest_window(moments, 2_000_000) == 10
-    # At the site, up to the network's jitter.
-    assert busiest_window(sorted(arrivals), 2 - ARRIVAL_JITTER) <= 10
+    # ...and the site saw none before its moment.
+    assert_never_early(arrivals, moments, A)
 
 
 @async_test
