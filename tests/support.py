@@ -161,10 +161,11 @@ def assert_never_early(arrivals: list[float], moments_us: list[float], what: str
         )
 
 
-def achieved_rate(times: list[float], burst: int) -> float:
-    """Requests per second after the initial burst, over the busy period."""
+def achieved_rate(times: list[float], burst: int, missed: int = 0) -> float:
+    """Requests per second after the initial burst, over the busy period, counting the slots of
+    *missed* moments as used."""
     times = sorted(times)
-    return (len(times) - burst) / (times[-1] - times[0])
+    return (len(times) - burst + missed) / (times[-1] - times[0])
 
 
 def pages(

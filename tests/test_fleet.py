@@ -4,10 +4,12 @@ scrapy-redis's own, or a Sentinel-managed primary, or a Redis Cluster."""
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -41,7 +43,44 @@ TOLERANCE = 1
 # the middleware up to MAX_HOLD), so its domains may idle that long after the kill.
 LOST_RESERVATIONS = DEFAULT_MAX_HOLD + RELEASE_AHEAD
 
-Fleet = tuple[DemoSite, list["subprocess.Popen[bytes]"]]
+MISSED = re.compile(r"'redis_throttle/missed_moments': (\d+)")
+
+
+@dataclass
+class Fleet:
+    site: DemoSite
+    workers: list[subprocess.Popen[bytes]]
+    throttle_redis: Topology
+    logs: Path
+    elsewhere: RedisServer | None
+    """scrapy-redis's Redis, when the throttle's is another: the throttle leaves nothing there."""
+    stopped: bool = False
+
+    def stop(self) -> None:
+        """Check that the workers report to the throttle's Redis (and nothing is elsewhere),
+        then stop them (once)."""
+        if self.stopped:
+            return
+        self.stopped = True
+        try:
+            with self.throttle_redis.client() as client:
+                reports = list(client.scan_iter("redis_throttle:worker:*"))
+            assert len(reports) == WORKERS, f"the workers report to the throttle's Redis: {reports}"
+            if self.elsewhere is not None:
+                with self.elsewhere.client() as client:
+                    assert list(client.scan_iter("redis_throttle:*")) == [], "nothing elsewhere"
+        finally:
+            stop_workers(self.workers)
+
+    def missed_moments(self) -> int:
+        """The moments the stopped workers missed, busy (each asked anew: its slot of the
+        budget went unused), from the stats each dumped at its close."""
+        assert self.stopped
+        return sum(
+            int(count)
+            for log in self.logs.glob("*.log")
+            for count in MISSED.findall(log.read_text())
+        )
 
 
 def limit_of(host: str) -> Limit:
@@ -59,14 +98,10 @@ def fleet_run(
     with DemoSite(HOSTS, pages=PAGES) as site:
         reset_redis(redis_server.url, site)
         workers = start_workers(Run("fleet", settings), WORKERS, redis_server.url, tmp_path)
+        fleet = Fleet(site, workers, throttle_redis, tmp_path, redis_server if settings else None)
         try:
-            yield site, workers
-            with throttle_redis.client() as client:
-                reports = list(client.scan_iter("redis_throttle:worker:*"))
-            assert len(reports) == WORKERS, f"the workers report to the throttle's Redis: {reports}"
-            if settings:
-                with redis_server.client() as client:
-                    assert list(client.scan_iter("redis_throttle:*")) == [], "nothing elsewhere"
+            yield fleet
+            fleet.stop()
         finally:
             stop_workers(workers)
             for log in sorted(tmp_path.glob("*.log")):
@@ -78,7 +113,7 @@ def fleet_run(
 def test_fleet_shares_each_domain_budget_and_fetches_every_page_once(
     fleet_run: Fleet,
 ) -> None:
-    site, workers = fleet_run
+    site, workers = fleet_run.site, fleet_run.workers
     expected = {host: site.paths(host) for host in HOSTS}
     wait_until(
         lambda: all({a.path for a in site.arrivals(h)} >= expected[h] for h in HOSTS),
@@ -86,6 +121,10 @@ def test_fleet_shares_each_domain_budget_and_fetches_every_page_once(
         message="the fleet to fetch every page of every domain",
     )
     assert all(w.poll() is None for w in workers), "every worker still runs"
+    fleet_run.stop()
+    # A slot a busy worker missed (by over waiting.MISSED_AFTER) is lost to the budget, for
+    # politeness: counted, and only those, for each domain (the stat is the worker's).
+    missed = fleet_run.missed_moments()
 
     for host in HOSTS:
         limit = limit_of(host)
@@ -99,15 +138,17 @@ def test_fleet_shares_each_domain_budget_and_fetches_every_page_once(
             window = quota.period - ARRIVAL_JITTER
             most = busiest_window(times, window)
             assert most <= quota.count, f"{host}: {most} in {window:g} s, limit {limit}"
-        achieved = achieved_rate(times, limit.burst)
+        achieved = achieved_rate(times, limit.burst, missed)
         rate = limit.sustained_rate
-        assert achieved >= 0.9 * rate, f"{host}: {achieved:.2f}/s, limit {limit}"
+        assert achieved >= 0.9 * rate, (
+            f"{host}: {achieved:.2f}/s with {missed} missed moments, limit {limit}"
+        )
 
 
 def test_a_killed_worker_does_not_stop_the_others_from_keeping_the_limit(
     fleet_run: Fleet,
 ) -> None:
-    site, workers = fleet_run
+    site, workers = fleet_run.site, fleet_run.workers
     host = "127.0.0.2"
     limit = limit_of(host)
     wait_until(lambda: len(site.arrivals(host)) >= 12, timeout=60, message=f"12 arrivals at {host}")

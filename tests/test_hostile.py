@@ -541,7 +541,8 @@ def test_garbage_read_by_the_pausing_scripts_is_ignored_not_an_error(
         state = client.get("b")
         assert state is not None
         written = re.fullmatch(rb"(\d+)( \S+ \S+ [01]( \S+)?)?", state)
-        assert written and int(written[1]) < 10**15, state
+        assert written, state
+        assert int(written[1]) < 10**15, state
         assert written[2] or client.pttl("b") != -1, state
 
 
