@@ -27,9 +27,9 @@ class CountingThrottleMiddleware(RedisThrottleMiddleware):
         super().__init__(crawler)
         acquire = self.budget.acquire
 
-        async def counted(key: str, limit: Limit, cost: float) -> Grant:
+        async def counted(domain: str, limit: Limit, cost: float) -> Grant:
             _calls.get()[0] += 1
-            return await acquire(key, limit, cost)
+            return await acquire(domain, limit, cost)
 
         self.budget.acquire = counted  # type: ignore[method-assign]
 

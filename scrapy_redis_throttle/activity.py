@@ -1,7 +1,7 @@
 """What the workers tell the fleet's Redis for ``scrapy-redis-throttle status``.
 
 Redis holds each domain's limits, not how busy the fleet is with it. Every few seconds
-(``REDIS_THROTTLE_REPORT_INTERVAL``) each worker writes, per throttle key, the requests that
+(``REDIS_THROTTLE_REPORT_INTERVAL``) each worker writes, per domain, the requests that
 went in the last minute and those its middleware holds now, to a key of its own that expires
 when the worker stops reporting. Parked requests may come back to another worker than the one
 that parked them, so they are counted in one hash for the fleet: the worker that parks one adds
@@ -78,7 +78,7 @@ FIRST_COUNT_DELAY = 0.25
 
 
 class Activity:
-    """This worker's requests per throttle key, reported to Redis every *interval* seconds
+    """This worker's requests per domain, reported to Redis every *interval* seconds
     (0: never, and nothing is counted), and its place in the fleet."""
 
     def __init__(
@@ -93,7 +93,7 @@ class Activity:
         self._interval = interval
         self._stats = stats
         self._worker = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self._key = report_key(prefix, self._worker)
+        self._report_key = report_key(prefix, self._worker)
         self._parked_key = parked_counts_key(prefix)
         self._fleet_key = fleet_key(prefix)
         self._period = interval or FLEET_INTERVAL
@@ -118,42 +118,42 @@ class Activity:
         that long after its last call."""
         return max((size for _, size in self._sizes), default=None)
 
-    def went(self, key: str) -> None:
-        """A request of *key* left for the download."""
+    def went(self, domain: str) -> None:
+        """A request of *domain* left for the download."""
         if self._interval:
             now = time.monotonic()
-            times = self._went[key]
+            times = self._went[domain]
             times.append(now)
             _forget_before(times, now - RECENT)
 
     @contextmanager
-    def holding(self, key: str) -> Iterator[None]:
-        """A request of *key* waits in the middleware meanwhile."""
+    def holding(self, domain: str) -> Iterator[None]:
+        """A request of *domain* waits in the middleware meanwhile."""
         if not self._interval:
             yield
             return
-        self._held[key] += 1
+        self._held[domain] += 1
         try:
             yield
         finally:
-            self._held[key] -= 1
-            if not self._held[key]:
-                del self._held[key]
+            self._held[domain] -= 1
+            if not self._held[domain]:
+                del self._held[domain]
 
-    def park(self, key: str, change: int) -> None:
-        """A request of *key* was parked (1), or came back from the parking area (-1)."""
+    def park(self, domain: str, change: int) -> None:
+        """A request of *domain* was parked (1), or came back from the parking area (-1)."""
         if self._interval:
-            self._parked[key] += change
+            self._parked[domain] += change
 
     def report(self) -> dict[str, list[int]]:
-        """Per throttle key with any activity: [requests in the last minute, held now]."""
+        """Per domain with any activity: [requests in the last minute, held now]."""
         since = time.monotonic() - RECENT
-        for key, times in list(self._went.items()):
+        for domain, times in list(self._went.items()):
             _forget_before(times, since)
             if not times:
-                del self._went[key]
-        keys = sorted(set(self._went) | set(self._held))
-        return {key: [len(self._went.get(key, ())), self._held[key]] for key in keys}
+                del self._went[domain]
+        domains = sorted(set(self._went) | set(self._held))
+        return {domain: [len(self._went.get(domain, ())), self._held[domain]] for domain in domains}
 
     async def start(self) -> None:
         """Count this worker in the fleet (before the first request, so that the fleet's size
@@ -170,7 +170,7 @@ class Activity:
             await self._send_parked()
             # Else it expires. Not delete(): a cluster client sends that through a pipeline,
             # which redis-py 5 never runs without retries.
-            await self._call(self._redis.execute_command("DEL", self._key))  # type: ignore[no-untyped-call]
+            await self._call(self._redis.execute_command("DEL", self._report_key))  # type: ignore[no-untyped-call]
         await self._parked_script.aclose()
         await self._fleet_script.aclose()
 
@@ -217,14 +217,14 @@ class Activity:
         while True:
             if self._interval:
                 report = json.dumps(self.report())
-                await self._call(self._redis.set(self._key, report, px=expiry))
+                await self._call(self._redis.set(self._report_key, report, px=expiry))
                 await self._send_parked()
             await sleep(min(delay, self._period))
             delay *= 2
             await self._count_in()
 
     async def _send_parked(self) -> None:
-        changes = {key: change for key, change in self._parked.items() if change}
+        changes = {domain: change for domain, change in self._parked.items() if change}
         self._parked = Counter()
         if not changes:
             return

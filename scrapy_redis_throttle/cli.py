@@ -23,7 +23,15 @@ from .config import SPIDER_ATTRIBUTE, ThrottleConfig
 from .connection import connect_sync
 from .control import LiveControl
 from .errors import ThrottleConfigError
-from .rates import TOKEN_BUCKET, Limit, Quota, format_rate, normalize_key, parse_burst, parse_limit
+from .rates import (
+    TOKEN_BUCKET,
+    Limit,
+    Quota,
+    format_rate,
+    normalize_domain,
+    parse_burst,
+    parse_limit,
+)
 from .redis_schema import ALGORITHM_CODES
 
 if TYPE_CHECKING:
@@ -139,15 +147,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _domain(text: str) -> str:
-    """DOMAIN as the workers' keys are (see :func:`.rates.normalize_key`); a URL or a port,
-    which no worker's key holds, is refused."""
+    """DOMAIN as the workers' domains are (see :func:`.rates.normalize_domain`); a URL or a
+    port, which no worker's domain holds, is refused."""
     if "/" in text or _PORT.fullmatch(text) or not text.strip():
         raise ThrottleConfigError(
             f"DOMAIN: expected a host name (or a redis_throttle_key), not a URL or a port: "
             f"{text!r:.200}"
         )
     try:
-        return normalize_key(text.strip())
+        return normalize_domain(text.strip())
     except ValueError:
         raise ThrottleConfigError(f"DOMAIN: {text!r:.200} is no name IDNA takes") from None
 

@@ -211,15 +211,15 @@ class LiveControl:
             pipeline.get(report)
         parked, *replies = pipeline.execute()
         totals: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0])
-        for key, count in parked.items():
+        for domain, count in parked.items():
             # A parked request taken back before its park was reported counts -1 for a while.
             waiting = self._read(f"parked count {count!r:.60}", _count, count, absent=0, least=0)
-            totals[key_tag(_text(key))][1] += max(0, waiting)
+            totals[key_tag(_text(domain))][1] += max(0, waiting)
         for report, reply in zip(reports, replies, strict=True):
             what = f"worker report {_text(report)!r:.100}"
             entries: list[tuple[str, int, int]] = self._read(what, _report, reply, absent=[])
-            for key, went, held in entries:
-                total = totals[key_tag(key)]
+            for domain, went, held in entries:
+                total = totals[key_tag(domain)]
                 total[0] += went
                 total[1] += held
         return {tag: (went, waiting) for tag, (went, waiting) in totals.items()}
@@ -289,15 +289,16 @@ def _adaptive_rate(value: bytes | None, now: float) -> float | None:
 
 
 def _report(value: bytes | None) -> list[tuple[str, int, int]]:
-    """A worker's report (see :meth:`.activity.Activity.report`): ``{key: [went, held]}``; None:
-    expired since it was listed."""
+    """A worker's report (see :meth:`.activity.Activity.report`): ``{domain: [went, held]}``;
+    None: expired since it was listed."""
     if value is None:
         return []
     entries = json.loads(value)
     if not isinstance(entries, dict):
         raise ValueError("not a JSON object")
     return [
-        (key, _count(went, least=0), _count(held, least=0)) for key, (went, held) in entries.items()
+        (domain, _count(went, least=0), _count(held, least=0))
+        for domain, (went, held) in entries.items()
     ]
 
 

@@ -25,7 +25,7 @@ from scrapy.utils.httpobj import urlparse_cached
 from twisted.internet.defer import Deferred
 
 from .config import STATS_PREFIX
-from .rates import Limit, normalize_key
+from .rates import Limit, normalize_domain
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -118,16 +118,16 @@ class CrawlDelays:
             f"REDIS_THROTTLE_MAX_CRAWL_DELAY) becomes its host's limit when stricter"
         )
 
-    def limit(self, key: str, configured: Limit | None) -> Limit | None:
-        """The limit for requests with throttle key *key*: *configured*, or a stricter one from
-        the robots.txt of the host named *key*."""
-        if not self._limits or (known := self._limits.get(key)) is None:
+    def limit(self, domain: str, configured: Limit | None) -> Limit | None:
+        """The limit for requests of *domain*: *configured*, or a stricter one from the
+        robots.txt of the host named *domain*."""
+        if not self._limits or (known := self._limits.get(domain)) is None:
             return configured
-        self._limits.move_to_end(key)
+        self._limits.move_to_end(domain)
         return known[0]
 
     def _robots_parsed(self, robotparser: Any, request: Request) -> None:
-        host = normalize_key(urlparse_cached(request).hostname or "")  # ASCII: Scrapy's IDNA
+        host = normalize_domain(urlparse_cached(request).hostname or "")  # ASCII: Scrapy's IDNA
         crawl_delay = getattr(robotparser, "crawl_delay", None)
         if not host or crawl_delay is None:  # a custom ROBOTSTXT_PARSER of the older interface
             return

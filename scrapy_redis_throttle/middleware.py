@@ -27,7 +27,7 @@ from .errors import InvalidThrottleMeta, ThrottleConfigError
 from .gc_freeze import freeze_startup_objects
 from .parking import TICKET_META, ParkingArea, attach, engine_scheduler
 from .penalties import Pauses, parse_retry_after
-from .rates import format_rate, normalize_key
+from .rates import format_rate, normalize_domain
 from .redis_schema import penalty_channel
 from .rejections import Rejections
 from .resilience import ResilientBucket
@@ -157,9 +157,9 @@ class RedisThrottleMiddleware:
         await self.budget.aclose()
         await close(self.redis)
 
-    def _release_parked(self, key: str, heard: float, until: float) -> None:
+    def _release_parked(self, domain: str, heard: float, until: float) -> None:
         if self.parking is not None:
-            self.parking.voided(key, heard, until)
+            self.parking.voided(domain, heard, until)
 
     def _log_extra(self) -> dict[str, Any]:
         return {"spider": self.crawler.spider}
@@ -172,15 +172,15 @@ class RedisThrottleMiddleware:
         if request.meta.get("dont_redis_throttle"):
             stats.inc_value(f"{STATS_PREFIX}/skipped")
             return None
-        key = self._key(request)
+        domain = self._domain(request)
         if ticket is not None:
-            self.activity.park(key, -1)  # back from the parking area
-        limit = self._limit(key)
+            self.activity.park(domain, -1)  # back from the parking area
+        limit = self._limit(domain)
         if limit is None:
             stats.inc_value(f"{STATS_PREFIX}/unthrottled")
             return None
         cost = self._cost(request, limit)
-        park = await self.turns.take(request, key, limit, cost, ticket, may_park)
+        park = await self.turns.take(request, domain, limit, cost, ticket, may_park)
         if park is None:
             return None
         # Back to the engine, which hands it to the parking area (see parking.attach).
@@ -191,7 +191,7 @@ class RedisThrottleMiddleware:
         domain for every worker (before RetryMiddleware, at 550, retries the request)."""
         if response.status not in self.config.penalty_codes:
             return response
-        key, limit = self._penalized(request)
+        domain, limit = self._penalized(request)
         if limit is None:
             return response
         self.stats.inc_value(f"{STATS_PREFIX}/penalties/{response.status}")
@@ -200,36 +200,36 @@ class RedisThrottleMiddleware:
                 response.headers.get(b"Retry-After"), response.headers.get(b"Date")
             )
         except ValueError as error:
-            self.rejections.reject("retry_after", key, str(error), "paused as without one")
+            self.rejections.reject("retry_after", domain, str(error), "paused as without one")
             retry_after = None
-        penalty = await self.budget.penalize(key, limit, retry_after)
+        penalty = await self.budget.penalize(domain, limit, retry_after)
         backoff = self.config.backoff
         if penalty is None:  # Redis is unavailable: this worker pauses alone
             pause = min(backoff.longest, backoff.first if retry_after is None else retry_after)
-            self.pauses.pause(key, pause)
+            self.pauses.pause(domain, pause)
             logger.warning(
-                "Redis throttle: %(status)d from %(key)r: pausing it for %(pause).1f s in this "
+                "Redis throttle: %(status)d from %(domain)r: pausing it for %(pause).1f s in this "
                 "worker only (Redis is unavailable)",
-                {"status": response.status, "key": key, "pause": pause},
+                {"status": response.status, "domain": domain, "pause": pause},
                 extra=self._log_extra(),
             )
             return response
-        self.pauses.pause(key, penalty.pause)
+        self.pauses.pause(domain, penalty.pause)
         if not penalty.changed:  # answers to requests sent before the pause
             logger.debug(
-                "Redis throttle: %(status)d from %(key)r, already paused for %(pause).1f s",
-                {"status": response.status, "key": key, "pause": penalty.pause},
+                "Redis throttle: %(status)d from %(domain)r, already paused for %(pause).1f s",
+                {"status": response.status, "domain": domain, "pause": penalty.pause},
                 extra=self._log_extra(),
             )
             return response
         self.stats.inc_value(f"{STATS_PREFIX}/pauses")
         self.stats.max_value(f"{STATS_PREFIX}/pause_max", penalty.pause)
         logger.info(
-            "Redis throttle: %(status)d from %(key)r (%(why)s): no request to it for "
+            "Redis throttle: %(status)d from %(domain)r (%(why)s): no request to it for "
             "%(pause).1f s, from any worker",
             {
                 "status": response.status,
-                "key": key,
+                "domain": domain,
                 "why": f"Retry-After: {retry_after:g} s"
                 if retry_after is not None
                 else f"no Retry-After, penalty {penalty.strikes} in a row",
@@ -237,37 +237,39 @@ class RedisThrottleMiddleware:
             },
             extra=self._log_extra(),
         )
-        await self._slow_down(request, key, limit, f"{response.status} from {key!r}", penalty.pause)
+        await self._slow_down(
+            request, domain, limit, f"{response.status} from {domain!r}", penalty.pause
+        )
         return response
 
     async def process_exception(self, request: Request, exception: Exception) -> None:
         """A download timeout lowers its domain's adaptive rate, if that is on."""
         if self.config.adaptive is None or not isinstance(exception, DOWNLOAD_TIMEOUTS):
             return
-        key, limit = self._penalized(request)
+        domain, limit = self._penalized(request)
         if limit is not None:
             self.stats.inc_value(f"{STATS_PREFIX}/adaptive/timeouts")
-            await self._slow_down(request, key, limit, f"download timeout at {key!r}")
+            await self._slow_down(request, domain, limit, f"download timeout at {domain!r}")
 
     def _penalized(self, request: Request) -> tuple[str, Limit | None]:
-        """The key and limit a failure of *request* counts against (no limit: against none,
+        """The domain and limit a failure of *request* counts against (no limit: against none,
         the request is not throttled or opted out)."""
         meta = request.meta
         if meta.get("dont_redis_throttle") or meta.get("redis_throttle_penalty", True) is False:
             return "", None
-        key = self._key(request)
-        return key, self._limit(key)
+        domain = self._domain(request)
+        return domain, self._limit(domain)
 
     async def _slow_down(
-        self, request: Request, key: str, limit: Limit, cause: str, hold: float = 0
+        self, request: Request, domain: str, limit: Limit, cause: str, hold: float = 0
     ) -> None:
-        """Lower *key*'s adaptive rate for the fleet after a failure of *request*."""
+        """Lower *domain*'s adaptive rate for the fleet after a failure of *request*."""
         now = asyncio.get_running_loop().time()
         sent_at = request.meta.get(SENT_META, now)
-        slowdown = await self.budget.slow_down(key, limit, max(0.0, now - sent_at), hold)
+        slowdown = await self.budget.slow_down(domain, limit, max(0.0, now - sent_at), hold)
         if slowdown is None or not slowdown.lowered:
             return
-        self.pauses.pause(key, slowdown.void)  # this worker's reservations, before the message
+        self.pauses.pause(domain, slowdown.void)  # this worker's reservations, before the message
         self.stats.inc_value(f"{STATS_PREFIX}/adaptive/lowered")
         logger.info(
             "Redis throttle: %(cause)s: its rate for the fleet is now %(rate)s (configured: "
@@ -281,27 +283,29 @@ class RedisThrottleMiddleware:
             extra=self._log_extra(),
         )
 
-    def _limit(self, key: str) -> Limit | None:
-        """The limit of requests throttled under *key* ("" for data: and file: URLs: None)."""
-        if not key:
+    def _limit(self, domain: str) -> Limit | None:
+        """The limit of requests throttled under *domain* ("" for data: and file: URLs: None)."""
+        if not domain:
             return None
-        return self.crawl_delays.limit(key, self.config.limits.lookup(key))
+        return self.crawl_delays.limit(domain, self.config.limits.lookup(domain))
 
-    def _key(self, request: Request) -> str:
-        """The request's throttle key (see :func:`.rates.normalize_key`)."""
-        key = request.meta.get("redis_throttle_key")
-        if key is None:
-            key = self.crawler.engine.downloader.get_slot_key(request)
-            if not key:
+    def _domain(self, request: Request) -> str:
+        """The request's domain (see :func:`.rates.normalize_domain`)."""
+        domain = request.meta.get("redis_throttle_key")
+        if domain is None:
+            domain = self.crawler.engine.downloader.get_slot_key(request)
+            if not domain:
                 return ""  # data: and file: URLs
-        elif not (isinstance(key, str) and key):
-            self._bad_meta(request, f"redis_throttle_key must be a non-empty string, got {key!r}")
+        elif not (isinstance(domain, str) and domain):
+            self._bad_meta(
+                request, f"redis_throttle_key must be a non-empty string, got {domain!r}"
+            )
         try:
-            normalized = normalize_key(key)
+            normalized = normalize_domain(domain)
         except ValueError:
             normalized = ""
         if not normalized:
-            self._bad_meta(request, f"throttle key {key!r:.200} is no name IDNA takes")
+            self._bad_meta(request, f"throttle key {domain!r:.200} is no name IDNA takes")
         return normalized
 
     def _cost(self, request: Request, limit: Limit) -> float:

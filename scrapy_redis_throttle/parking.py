@@ -19,9 +19,9 @@ requests that came out of the scheduler are parked: those the engine downloads d
 * With any other scheduler, they wait in this process; at the close they go into the scheduler's
   own queue when it keeps it on disk (``JOBDIR``), and are dropped (and counted) otherwise.
 
-A voiding of a throttle key's reserved moments (see :class:`.penalties.Pauses`) reaches the
+A voiding of a domain's reserved moments (see :class:`.penalties.Pauses`) reaches the
 requests parked with them at once (:meth:`ParkingArea.voided`): they come back to ask again,
-as held ones wake to, not at their old moments. Both stores index reserved moments by key.
+as held ones wake to, not at their old moments. Both stores index reserved moments by domain.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ if TYPE_CHECKING:
     from .rejections import Rejections
 
     Unreserve = Callable[[str, list[Reservation]], Awaitable[Unreserved | None]]
-    """Gives a throttle key's bucket back reservations (:meth:`.ResilientBucket.unreserve`):
+    """Gives a domain's bucket back reservations (:meth:`.ResilientBucket.unreserve`):
     None when Redis could not be told."""
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ REDIS_POLL_INTERVAL = 0.25
 # The flags of park.lua's members: indexed by its reserved moment, not, or voided (it asks
 # again, see void_parked.lua).
 _INDEXED, _NOT_INDEXED, _ASKS_AGAIN = b"r", b"u", b"a"
-_KEY_DIGITS = 5
+_DOMAIN_DIGITS = 5
 # Index entries that one call of void_parked.lua looks at, at most.
 VOID_BATCH = 100
 # For the plain commands (ZCARD and DEL at the close): the scripts have a connection each.
@@ -126,8 +126,8 @@ class Ticket:
     in its meta (:data:`TICKET_META`), "park it until *due*"; from the parking area, beside it
     (:meth:`ParkingArea.handed_out`), "back from the parking area, due at *due*"."""
 
-    key: str
-    """The throttle key whose budget it waits for (a voiding of its moments reaches it)."""
+    domain: str
+    """The domain whose budget it waits for (a voiding of its moments reaches it)."""
     due: float
     """Loop time (``loop.time()``) of the request's moment."""
     reserved: bool
@@ -174,8 +174,8 @@ class Ticket:
         ]
 
     @classmethod
-    def from_wire(cls, value: object, key: str, due: float, sealed: bool = False) -> Ticket:
-        """The ticket of a request of *key* read back from Redis, due at *due*; reserved only
+    def from_wire(cls, value: object, domain: str, due: float, sealed: bool = False) -> Ticket:
+        """The ticket of a request of *domain* read back from Redis, due at *due*; reserved only
         if *sealed* (its seal is the fleet's); anything unexpected counts as no reservation
         (the request asks again)."""
         if (
@@ -192,7 +192,7 @@ class Ticket:
             # Moments reserved in another process's own buckets hold nothing here.
             reserved = reserved and sealed and not (locally and elsewhere)
             return cls(
-                key,
+                domain,
                 due,
                 reserved,
                 locally,
@@ -203,14 +203,14 @@ class Ticket:
                 _reservation(value[6]) if reserved and len(value) == 8 else None,
             )
         now = time.time()
-        return cls(key, due, False, False, now, now, elsewhere=True)
+        return cls(domain, due, False, False, now, now, elsewhere=True)
 
 
 def _unused(ticket: Ticket) -> Unused | None:
     """The reservation of a request that will not go at its moment, to give back (None: it
     holds none in Redis)."""
     if ticket.reserved and ticket.reservation is not None:
-        return ticket.key, ticket.reservation
+        return ticket.domain, ticket.reservation
     return None
 
 
@@ -228,10 +228,12 @@ def _reservation(value: object) -> Reservation | None:
     return None
 
 
-def _sealed_message(member_id: bytes, key: str, wire: list[Any]) -> bytes:
+def _sealed_message(member_id: bytes, domain: str, wire: list[Any]) -> bytes:
     """What a parked request's seal covers: its member's id (a copy under another id is no
-    request this fleet parked), its throttle key and its ticket."""
-    return b"\n".join((member_id, key.encode("utf-8", "surrogatepass"), json.dumps(wire).encode()))
+    request this fleet parked), its domain and its ticket."""
+    return b"\n".join(
+        (member_id, domain.encode("utf-8", "surrogatepass"), json.dumps(wire).encode())
+    )
 
 
 def _is_time(value: object) -> bool:
@@ -246,7 +248,7 @@ def _is_time(value: object) -> bool:
 
 
 Unused = tuple[str, Reservation]
-"""A reservation a request will not use, with its throttle key."""
+"""A reservation a request will not use, with its domain."""
 
 
 class ParkUncertain(RedisConnectionError):
@@ -285,8 +287,8 @@ class ParkingStore(Protocol):
         its ticket, and the seconds until the next one left is due."""
         ...
 
-    async def release_voided(self, key: str, heard: float, until: float) -> int:
-        """Make the requests of *key* parked with a moment up to *until* (loop time) reserved
+    async def release_voided(self, domain: str, heard: float, until: float) -> int:
+        """Make the requests of *domain* parked with a moment up to *until* (loop time) reserved
         before *heard* (wall time) due now, to ask again (see :meth:`.Pauses.pause`); return
         how many."""
         ...
@@ -305,7 +307,7 @@ class MemoryParking:
     def __init__(self, keep_into: Callable[[Request], object] | None) -> None:
         self._heap: list[_Entry] = []
         self._order = itertools.count()
-        # The entries whose moments are reserved, by throttle key: what a voiding may reach.
+        # The entries whose moments are reserved, by domain: what a voiding may reach.
         self._reserved: dict[str, dict[int, _Entry]] = {}
         self._keep_into = keep_into
 
@@ -317,21 +319,21 @@ class MemoryParking:
         entry = (ticket.due, next(self._order), request, ticket)
         heapq.heappush(self._heap, entry)
         if ticket.reserved:
-            self._reserved.setdefault(ticket.key, {})[entry[1]] = entry
+            self._reserved.setdefault(ticket.domain, {})[entry[1]] = entry
 
     async def unpark(self, ahead: float, limit: int) -> tuple[list[Parked], float | None]:
         now = asyncio.get_running_loop().time()
         due: list[Parked] = []
         while self._heap and len(due) < limit and self._heap[0][0] <= now + ahead:
             _, order, request, ticket = heapq.heappop(self._heap)
-            self._unindex(ticket.key, order)
+            self._unindex(ticket.domain, order)
             due.append((request, ticket))
         return due, (self._heap[0][0] - now if self._heap else None)
 
-    async def release_voided(self, key: str, heard: float, until: float) -> int:
+    async def release_voided(self, domain: str, heard: float, until: float) -> int:
         void = {
             order
-            for order, (due, _, _, ticket) in self._reserved.get(key, {}).items()
+            for order, (due, _, _, ticket) in self._reserved.get(domain, {}).items()
             if due <= until and ticket.reserved_at < heard
         }
         if not void:
@@ -341,17 +343,17 @@ class MemoryParking:
         for entry in self._heap:
             _, order, request, ticket = entry
             if order in void:
-                self._unindex(key, order)
+                self._unindex(domain, order)
                 entry = (now, order, request, replace(ticket, due=now, reserved=False))
             kept.append(entry)
         heapq.heapify(kept)
         self._heap = kept
         return len(void)
 
-    def _unindex(self, key: str, order: int) -> None:
-        reserved = self._reserved.get(key)
+    def _unindex(self, domain: str, order: int) -> None:
+        reserved = self._reserved.get(domain)
         if reserved is not None and reserved.pop(order, None) is not None and not reserved:
-            del self._reserved[key]
+            del self._reserved[domain]
 
     async def close(self, keep: bool) -> Closed:
         entries = sorted(self._heap)
@@ -367,7 +369,7 @@ class MemoryParking:
 
 class RedisParking:
     """Parked requests in a Redis sorted set shared by every worker of the spider (*key*),
-    with an index of their reserved moments by throttle key (*key*``:moments``), through
+    with an index of their reserved moments by domain (*key*``:moments``), through
     which a voiding reaches them (``lua/void_parked.lua``)."""
 
     poll_interval: float | None = REDIS_POLL_INTERVAL
@@ -399,7 +401,7 @@ class RedisParking:
         meta = {name: value for name, value in request.meta.items() if name != LEASE_META}
         member_id = uuid.uuid4().hex.encode()  # two equal requests must stay two members
         ticket_wire = ticket.to_wire()
-        seal = self._seals.seal(_sealed_message(member_id, ticket.key, ticket_wire))
+        seal = self._seals.seal(_sealed_message(member_id, ticket.domain, ticket_wire))
         wire = request.replace(meta={**meta, TICKET_META: [*ticket_wire, seal]})
         encoded = encode_request(wire, self._spider)  # Unparkable: before anything is done
         # The call may wait for the connection: its delay counts from Redis's time now (see
@@ -408,14 +410,14 @@ class RedisParking:
         now = asyncio.get_running_loop().time()
         delay = max(0.0, ticket.due - now)
         asked = self._clock.server_us(now)
-        key, reserved_at = _indexed_key(ticket.key), ticket.reserved_at * 1e6
+        domain, reserved_at = _indexed_domain(ticket.domain), ticket.reserved_at * 1e6
         member = b"".join(
             (
                 # Indexed by its moment when it has one that a voiding may reach (see park.lua).
-                _INDEXED if ticket.reserved and key else _NOT_INDEXED,
+                _INDEXED if ticket.reserved and domain else _NOT_INDEXED,
                 member_id,
                 # (A reserved_at read back from Redis may be anything: 16 digits, whatever.)
-                b"%05d%s%016d" % (len(key), key, min(max(int(reserved_at), 0), 10**16 - 1)),
+                b"%05d%s%016d" % (len(domain), domain, min(max(int(reserved_at), 0), 10**16 - 1)),
                 encoded,
             )
         )
@@ -472,7 +474,7 @@ class RedisParking:
             # Leased under its member's id (see unpark.lua).
             lease = bytes(member[1:33]).decode("ascii", "replace")
             try:
-                flag, key, encoded = read_member(member)
+                flag, domain, encoded = read_member(member)
                 request = decode_request(encoded, self._spider)
             except Exception as error:  # (a ValueError, unless a bug: either way, the next)
                 if self.leases is not None:
@@ -489,7 +491,7 @@ class RedisParking:
                 continue
             wire = request.meta.pop(TICKET_META, None)
             ticket = Ticket.from_wire(
-                wire, key, now + float(due_in_ms) / 1000, self._sealed(member, key, wire)
+                wire, domain, now + float(due_in_ms) / 1000, self._sealed(member, domain, wire)
             )
             if flag == _ASKS_AGAIN:
                 ticket = replace(ticket, reserved=False)
@@ -498,9 +500,9 @@ class RedisParking:
             due.append((request, ticket))
         return due, (next_due / 1000 if next_due >= 0 else None)
 
-    async def release_voided(self, key: str, heard: float, until: float) -> int:
-        key_bytes = _indexed_key(key)
-        if not key_bytes:
+    async def release_voided(self, domain: str, heard: float, until: float) -> int:
+        domain_bytes = _indexed_domain(domain)
+        if not domain_bytes:
             return 0  # never indexed (see park)
         # Parked by any worker of the fleet, whose clock may differ from this one's.
         reserved_before = b"%d" % max(0, int((heard + CLOCK_MARGIN) * 1e6))
@@ -509,7 +511,7 @@ class RedisParking:
         while True:
             reply = await self._void_script(
                 keys=[self.key, self.index_key],
-                args=[key_bytes, until_us, reserved_before, last, VOID_BATCH],
+                args=[domain_bytes, until_us, reserved_before, last, VOID_BATCH],
             )
             released += int(reply[0])
             last = reply[1]
@@ -549,22 +551,22 @@ class RedisParking:
         """The reservation a member of the parking set holds (None: none, or not a member a
         worker of this fleet parked)."""
         try:
-            flag, key, encoded = read_member(member)
+            flag, domain, encoded = read_member(member)
             if flag != _INDEXED:
                 return None
             request = decode_request(encoded, self._spider)
         except Exception:  # (a ValueError, unless a bug: either way, none; dropped anyway)
             return None
         wire = request.meta.get(TICKET_META)
-        return _unused(Ticket.from_wire(wire, key, 0.0, self._sealed(member, key, wire)))
+        return _unused(Ticket.from_wire(wire, domain, 0.0, self._sealed(member, domain, wire)))
 
-    def _sealed(self, member: bytes, key: str, wire: object) -> bool:
-        """Whether a ticket read back from the set (*wire*, of *member*, for *key*) bears the
+    def _sealed(self, member: bytes, domain: str, wire: object) -> bool:
+        """Whether a ticket read back from the set (*wire*, of *member*, for *domain*) bears the
         fleet's seal; a reserved one without it is counted and logged."""
         if not (isinstance(wire, list) and len(wire) == 8):
             return False
         try:
-            message = _sealed_message(bytes(member[1:33]), key, wire[:7])
+            message = _sealed_message(bytes(member[1:33]), domain, wire[:7])
         except (TypeError, ValueError):  # (what json.loads gave json.dumps takes: a bug)
             return False
         if self._seals.check(message, wire[7]):
@@ -572,23 +574,23 @@ class RedisParking:
         if wire[0] is True:
             self._rejections.reject(
                 "parked_ticket",
-                key,
+                domain,
                 "a parked request's reservation not sealed by this fleet",
                 "it asks for a moment anew",
             )
         return False
 
 
-def _indexed_key(key: str) -> bytes:
-    """*key* as the index of moments has it (see park.lua): b"" for a key (from meta) too long
+def _indexed_domain(domain: str) -> bytes:
+    """*domain* as the index of moments has it (see park.lua): b"" for a domain (from meta) too long
     to index, whose requests wait for their moments to learn of a voiding."""
     # Any str, even one with lone surrogates, and always the same bytes.
-    encoded = key.encode("utf-8", "surrogatepass")
-    return encoded if len(encoded) < 10**_KEY_DIGITS else b""
+    encoded = domain.encode("utf-8", "surrogatepass")
+    return encoded if len(encoded) < 10**_DOMAIN_DIGITS else b""
 
 
 def read_member(member: bytes) -> tuple[bytes, str, bytes]:
-    """The flag, throttle key and serialized request of a member of the parking set (see
+    """The flag, domain and serialized request of a member of the parking set (see
     park.lua); ValueError for a member of another form."""
     flag, length = member[:1], member[33:38]
     if flag not in (_INDEXED, _NOT_INDEXED, _ASKS_AGAIN) or not (
@@ -637,21 +639,21 @@ class ParkingArea:
         self._next_look = 0.0  # loop time of the release loop's next look, while it waits
         self._unpark_failing = False
         self._void_failing = False
-        # Voidings not yet passed on to the store: throttle key -> (heard, until).
+        # Voidings not yet passed on to the store: domain -> (heard, until).
         self._voidings: dict[str, tuple[float, float]] = {}
         self._concurrency = concurrency
         self._unreserve = unreserve
         self._releaser = asyncio.ensure_future(self._release_loop())
 
-    def voided(self, key: str, heard: float, until: float) -> None:
-        """The moments of *key* up to *until* (loop time) reserved before *heard* (wall time)
+    def voided(self, domain: str, heard: float, until: float) -> None:
+        """The moments of *domain* up to *until* (loop time) reserved before *heard* (wall time)
         are void (see :meth:`.Pauses.pause`): the requests parked with one come back at once,
         to ask again, as held ones do, not at their old moments."""
-        if (known := self._voidings.get(key)) is not None:
+        if (known := self._voidings.get(domain)) is not None:
             # Two voidings passed on as one that covers both (and errs on the polite side: a
             # moment reserved between them, after the first one's end, asks again too).
             heard, until = max(heard, known[0]), max(until, known[1])
-        self._voidings[key] = (heard, until)
+        self._voidings[domain] = (heard, until)
         self._wake_up.set()
 
     def enqueue_request(self, request: Request) -> bool | None:
@@ -801,9 +803,9 @@ class ParkingArea:
         # Those heard so far: the ones heard meanwhile wait for the next pass, after the due
         # requests are given back (a flood of voidings must not hold those up).
         voidings, self._voidings = self._voidings, {}
-        for key, (heard, until) in voidings.items():
+        for domain, (heard, until) in voidings.items():
             try:
-                released = await self.store.release_voided(key, heard, until)
+                released = await self.store.release_voided(domain, heard, until)
             except (RedisError, OSError) as exc:
                 # Once per failure: they ask again at their old moments meanwhile, still safe.
                 if not self._void_failing:
@@ -826,7 +828,7 @@ class ParkingArea:
                     "Redis throttle: %d requests parked for %r come back to ask again: their "
                     "moments were voided",
                     released,
-                    key,
+                    domain,
                 )
 
     async def _release_due(self) -> float:
@@ -921,15 +923,15 @@ class ParkingArea:
         them."""
         if not unused or self._unreserve is None:
             return
-        by_key: dict[str, list[Reservation]] = {}
-        for key, reservation in unused:
-            by_key.setdefault(key, []).append(reservation)
+        by_domain: dict[str, list[Reservation]] = {}
+        for domain, reservation in unused:
+            by_domain.setdefault(domain, []).append(reservation)
         taken = set_aside = 0
-        for key, reservations in by_key.items():
+        for domain, reservations in by_domain.items():
             try:
-                done = await self._unreserve(key, reservations)
+                done = await self._unreserve(domain, reservations)
             except Exception:  # (a bug: the other domains' and the close's work must go on)
-                logger.exception("Redis throttle: could not give back moments of %r", key)
+                logger.exception("Redis throttle: could not give back moments of %r", domain)
                 continue
             if done is not None:
                 taken, set_aside = taken + done.taken, set_aside + done.set_aside

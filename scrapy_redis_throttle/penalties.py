@@ -71,8 +71,8 @@ MAX_RETRY_AFTER = 1e9
 SWEEP_STEP = 4
 # A domain's pauses under way, at the most: more are merged into one that voids all they void
 # (and more: the polite side), so that a channel flooded with pauses costs no more to check.
-PAUSES_PER_KEY = 8
-# Keys whose voiding was read from Redis, at the most (see Pauses.read).
+PAUSES_PER_DOMAIN = 8
+# Domains whose voiding was read from Redis, at the most (see Pauses.read).
 READS_KEPT = 10_000
 # A pause heard and ending within this much of one already known is that one (read again from
 # Redis, by another request): it is not kept twice.
@@ -112,7 +112,7 @@ def _http_date(text: str) -> datetime | None:
 
 class Pauses:
     """The pauses this worker knows of: its own, and those other workers published. *forget*
-    drops what the worker saw of a key's bucket, which Redis changed; *release_parked* passes
+    drops what the worker saw of a domain's bucket, which Redis changed; *release_parked* passes
     each voiding on to the parking area (see :meth:`.ParkingArea.voided`)."""
 
     def __init__(
@@ -133,16 +133,16 @@ class Pauses:
         self._channel = channel
         self._stats = stats
         self._log_extra = log_extra
-        # key -> (wall time it was heard of, loop time it ends) of each pause under way: a
+        # domain -> (wall time it was heard of, loop time it ends) of each pause under way: a
         # reservation made before one of them, for a moment within it, is void.
         self._pauses: dict[str, list[tuple[float, float]]] = {}
-        # key -> the waits of requests whose moment is reserved: loop time each one ends at
+        # domain -> the waits of requests whose moment is reserved: loop time each one ends at
         self._sleepers: dict[str, dict[Deferred[None], float]] = {}
         self._listener: asyncio.Task[None] | None = None
         self._failing = False
         # Wall time since when this worker hears every message (None: it does not now).
         self._listening_since: float | None = None
-        # Wall time of the last read of each key's voiding from Redis, while listening.
+        # Wall time of the last read of each domain's voiding from Redis, while listening.
         self._read_at: dict[str, float] = {}
         self._subscribed = asyncio.Event()
         # Kinds of counted trouble already logged once (see _count_once).
@@ -160,33 +160,33 @@ class Pauses:
         if self._listener is not None:
             self._listener.cancel()
 
-    def pause(self, key: str, seconds: float, age: float = 0.0) -> None:
-        """Moments of *key* within the next *seconds* that were reserved before now (or
+    def pause(self, domain: str, seconds: float, age: float = 0.0) -> None:
+        """Moments of *domain* within the next *seconds* that were reserved before now (or
         *age* seconds ago) are void (a pause, or moments chosen under a rate that changed): the
         requests that hold them wake at once (see :meth:`sleep`), those parked with them come
         back at once, and all must ask again. At most *longest* seconds: what another worker
         publishes, or Redis holds, is not trusted further."""
         seconds = min(seconds, self._longest)
         heard, until = time.time() - age, asyncio.get_running_loop().time() + seconds
-        pauses = self._under_way(key)
+        pauses = self._under_way(domain)
         if any(h >= heard - SAME_PAUSE and u >= until - SAME_PAUSE for h, u in pauses):
             return
         # One heard earlier and ending sooner voids nothing this one does not.
         pauses = [(h, u) for h, u in pauses if h > heard or u > until]
         pauses.append((heard, until))
-        if len(pauses) > PAUSES_PER_KEY:
+        if len(pauses) > PAUSES_PER_DOMAIN:
             pauses = [(max(h for h, _ in pauses), max(u for _, u in pauses))]
-        self._pauses[key] = pauses
+        self._pauses[domain] = pauses
         for each in list(islice(self._pauses, SWEEP_STEP)):
             self._under_way(each)  # forgotten if ended, else to the back of the line
-        self._forget(key)
-        for sleeper, wake_at in list(self._sleepers.get(key, {}).items()):
+        self._forget(domain)
+        for sleeper, wake_at in list(self._sleepers.get(domain, {}).items()):
             if wake_at <= until:
                 sleeper.cancel()
-        self._release_parked(key, heard, until)
+        self._release_parked(domain, heard, until)
 
-    def knows_voidings(self, key: str, reserved_at: float, elsewhere: bool) -> bool:
-        """Whether this worker knows every voiding of *key*'s moments since *reserved_at*
+    def knows_voidings(self, domain: str, reserved_at: float, elsewhere: bool) -> bool:
+        """Whether this worker knows every voiding of *domain*'s moments since *reserved_at*
         (wall time, as :func:`time.time`; *elsewhere*: in another process, whose clock may
         differ by up to :data:`CLOCK_MARGIN`): it heard every one published since, or it read
         the last one from Redis (:meth:`read`) while listening, and heard those after. Else a
@@ -196,50 +196,52 @@ class Pauses:
             return False
         if reserved_at >= since + (CLOCK_MARGIN if elsewhere else 0):
             return True
-        read_at = self._read_at.get(key)
+        read_at = self._read_at.get(domain)
         return read_at is not None and read_at >= since
 
-    def read(self, key: str, voiding: Voiding | None, read_at: float) -> None:
-        """The last voiding of *key* read from Redis (:meth:`.TokenBucket.voided`), asked for
+    def read(self, domain: str, voiding: Voiding | None, read_at: float) -> None:
+        """The last voiding of *domain* read from Redis (:meth:`.TokenBucket.voided`), asked for
         at *read_at* (wall time): moments it voids are void (see :meth:`pause`)."""
         if voiding is not None:
-            self.pause(key, voiding.left, age=voiding.age)
+            self.pause(domain, voiding.left, age=voiding.age)
         since = self._listening_since
         if since is not None and read_at >= since:
             if len(self._read_at) >= READS_KEPT:
-                self._read_at.clear()  # bounded: a key forgotten is only read once more
-            self._read_at[key] = read_at
+                self._read_at.clear()  # bounded: a domain forgotten is only read once more
+            self._read_at[domain] = read_at
 
-    def voided(self, key: str, reserved_at: float, moment: float, elsewhere: bool = False) -> bool:
-        """Whether a moment (loop time) reserved for *key* at *reserved_at* (wall time, as
+    def voided(
+        self, domain: str, reserved_at: float, moment: float, elsewhere: bool = False
+    ) -> bool:
+        """Whether a moment (loop time) reserved for *domain* at *reserved_at* (wall time, as
         :func:`time.time`; *elsewhere*: in another process, a parked request, whose clock may
         differ from this one's by up to :data:`CLOCK_MARGIN`) is void."""
         margin = CLOCK_MARGIN if elsewhere else 0.0
         return any(
             heard + margin > reserved_at and moment <= until
-            for heard, until in self._under_way(key)
+            for heard, until in self._under_way(domain)
         )
 
-    def paused_for(self, key: str) -> float:
-        """Seconds until *key*'s pauses end (0: none), for a worker that paces alone."""
-        ends = [until for _, until in self._under_way(key)]
+    def paused_for(self, domain: str) -> float:
+        """Seconds until *domain*'s pauses end (0: none), for a worker that paces alone."""
+        ends = [until for _, until in self._under_way(domain)]
         return max(ends) - asyncio.get_running_loop().time() if ends else 0.0
 
-    def _under_way(self, key: str) -> list[tuple[float, float]]:
-        """*key*'s pauses that have not ended (the others are forgotten)."""
+    def _under_way(self, domain: str) -> list[tuple[float, float]]:
+        """*domain*'s pauses that have not ended (the others are forgotten)."""
         now = asyncio.get_running_loop().time()
-        pauses = [pause for pause in self._pauses.pop(key, ()) if pause[1] > now]
+        pauses = [pause for pause in self._pauses.pop(domain, ()) if pause[1] > now]
         if pauses:
-            self._pauses[key] = pauses
+            self._pauses[domain] = pauses
         return pauses
 
-    async def sleep(self, key: str, seconds: float) -> None:
+    async def sleep(self, domain: str, seconds: float) -> None:
         """Wait *seconds* (Twisted's ``deferLater``, as :func:`.resilience.sleep`) for a moment
-        reserved for *key*; a pause of *key* that covers the moment ends the wait early."""
+        reserved for *domain*; a pause of *domain* that covers the moment ends the wait early."""
         from twisted.internet import reactor  # see resilience.sleep
 
         sleeper = deferLater(reactor, max(seconds, 0.0), lambda: None)
-        sleepers = self._sleepers.setdefault(key, {})
+        sleepers = self._sleepers.setdefault(domain, {})
         sleepers[sleeper] = asyncio.get_running_loop().time() + seconds
         try:
             await maybe_deferred_to_future(sleeper)
@@ -248,7 +250,7 @@ class Pauses:
         finally:
             del sleepers[sleeper]
             if not sleepers:
-                del self._sleepers[key]
+                del self._sleepers[domain]
 
     async def _listen(self) -> None:
         delay = RESUBSCRIBE_DELAY
@@ -298,17 +300,22 @@ class Pauses:
         )
 
     def _received(self, data: bytes) -> None:
-        pause_us, _, key = data.decode("utf-8", "surrogateescape").partition(" ")
+        pause_us, _, domain = data.decode("utf-8", "surrogateescape").partition(" ")
         # Anyone who may publish on the channel can send anything: a bad message voids nothing.
-        if pause_us.isascii() and pause_us.isdigit() and len(pause_us) <= MAX_PAUSE_DIGITS and key:
+        if (
+            pause_us.isascii()
+            and pause_us.isdigit()
+            and len(pause_us) <= MAX_PAUSE_DIGITS
+            and domain
+        ):
             try:
-                self.pause(key, int(pause_us) / 1e6)
+                self.pause(domain, int(pause_us) / 1e6)
             except Exception as exc:  # a bug passing it on: the subscription and the next go on
                 self._count_once(
                     f"listener_errors/{type(exc).__name__}",
                     "a pause heard for %r could not be passed on to all the requests it voids "
                     "(logged once; counted in %s/listener_errors)",
-                    key,
+                    domain,
                     STATS_PREFIX,
                     error=True,
                 )

@@ -274,8 +274,8 @@ def _rate_text(value: object, rate: float) -> str:
     return f"{rate:g}/s"
 
 
-def normalize_key(name: str) -> str:
-    """A throttle key (a host name, or a ``redis_throttle_key`` group), or a pattern's name, as
+def normalize_domain(name: str) -> str:
+    """A domain (a host name, or a ``redis_throttle_key`` group), or a pattern's name, as
     requests carry it: lower case, without the trailing dot of a fully qualified name
     (``shop.example.`` is ``shop.example``), non-ASCII labels in IDNA (Scrapy's requests carry
     ``bücher.example`` as ``xn--bcher-kva.example``). ValueError (UnicodeError) for a name IDNA
@@ -293,34 +293,34 @@ def _parse_pattern(pattern: object, *, source: str) -> str:
         raise invalid
     wildcard, name = ("*.", pattern[2:]) if pattern.startswith("*.") else ("", pattern)
     try:
-        return wildcard + normalize_key(name)
+        return wildcard + normalize_domain(name)
     except ValueError:
         raise invalid from None
 
 
 @dataclass(frozen=True)
 class LimitTable:
-    """Which limit applies to a key (normally the host name; see :meth:`lookup`)."""
+    """Which limit applies to a domain (normally the host name; see :meth:`lookup`)."""
 
     exact: Mapping[str, Limit | None]
     wildcards: Mapping[str, Limit | None]  # "cdn.example" for the pattern "*.cdn.example"
     default: Limit | None
 
-    def lookup(self, key: str) -> Limit | None:
-        """Return the limit for *key*, ``None`` meaning unthrottled.
+    def lookup(self, domain: str) -> Limit | None:
+        """Return the limit for *domain*, ``None`` meaning unthrottled.
 
         Precedence: an exact entry, then the longest matching wildcard (``*.cdn.example``
         matches ``a.cdn.example`` and ``a.b.cdn.example``, not ``cdn.example``), then the default.
         """
-        key = key.lower()
-        if key in self.exact:
-            return self.exact[key]
-        dot = key.find(".")
+        domain = domain.lower()
+        if domain in self.exact:
+            return self.exact[domain]
+        dot = domain.find(".")
         while dot != -1:
-            suffix = key[dot + 1 :]
+            suffix = domain[dot + 1 :]
             if suffix in self.wildcards:
                 return self.wildcards[suffix]
-            dot = key.find(".", dot + 1)
+            dot = domain.find(".", dot + 1)
         return self.default
 
     def largest_burst(self) -> int:

@@ -10,7 +10,7 @@ Under the prefix (``REDIS_THROTTLE_KEY_PREFIX``), in the throttle's Redis:
 - ``<prefix>:penalties``: the channel pauses are published on.
 - ``<prefix>:live``: the domains with a limit set live (``scrapy-redis-throttle set``).
 - ``<prefix>:worker:<id>``: a worker's report; ``<prefix>:fleet``: the live workers;
-  ``<prefix>:parked``: the fleet's parked requests per throttle key.
+  ``<prefix>:parked``: the fleet's parked requests per domain.
 
 In scrapy-redis's Redis, beside its queue: ``<queue key>:parked`` and ``<queue key>:parked:moments``
 (the parking area, ``lua/park.lua``).
@@ -37,19 +37,19 @@ def server_micros(seconds: float, micros: float) -> float:
 # How token_bucket.lua and set_limit.lua name each algorithm of a limit.
 ALGORITHM_CODES = {"token_bucket": "t", "fixed_window": "f", "sliding_window": "s"}
 
-# Host names and simple meta keys appear as they are in Redis keys (readable in redis-cli).
-_PLAIN_KEY = re.compile(r"[a-z0-9._:-]{1,200}")
+# Host names and simple groups appear as they are in Redis keys (readable in redis-cli).
+_PLAIN_DOMAIN = re.compile(r"[a-z0-9._:-]{1,200}")
 
 
 def key_tag(domain: str) -> str:
     """The part of a Redis key that names *domain*.
 
-    Domains and meta keys come from crawled URLs and code, so they are untrusted: anything but a
+    Host names and groups come from crawled URLs and code, so they are untrusted: anything but a
     plain name of at most 200 characters (lowercase letters, digits, ``.``, ``_``, ``:``, ``-``)
     is replaced by ``#`` and its SHA-256. No two domains share a tag (``#`` is not in the plain
     alphabet), the tag cannot end the hash tag early (no braces), and its length is bounded.
     """
-    if _PLAIN_KEY.fullmatch(domain):
+    if _PLAIN_DOMAIN.fullmatch(domain):
         return domain
     return "#" + hashlib.sha256(domain.encode("utf-8", "surrogatepass")).hexdigest()
 
@@ -112,7 +112,7 @@ def live_key(prefix: str) -> str:
 
 
 def report_key(prefix: str, worker: str) -> str:
-    """A worker's report of its requests per throttle key."""
+    """A worker's report of its requests per domain."""
     return f"{prefix}:worker:{worker}"
 
 
@@ -127,7 +127,7 @@ def fleet_key(prefix: str) -> str:
 
 
 def parked_counts_key(prefix: str) -> str:
-    """The hash of the fleet's parked requests per throttle key."""
+    """The hash of the fleet's parked requests per domain."""
     return f"{prefix}:parked"
 
 

@@ -266,9 +266,9 @@ class ResilientBucket:
         # _handover_wait).
         self._handover_until = 0.0
         self._handover = LocalBuckets()
-        # The key of the last call that failed: on a Redis Cluster, the probe tries its primary
+        # The domain of the last call that failed: on a Redis Cluster, the probe tries its primary
         # (another one may answer while it is down).
-        self._failed_key: str | None = None
+        self._failed_domain: str | None = None
         self.seals = Seals()
 
     async def check(self) -> None:
@@ -293,34 +293,34 @@ class ResilientBucket:
                 "secret", "", str(exc)[:300], "parked requests keep no reservation"
             )
 
-    async def acquire(self, key: str, limit: Limit, cost: float) -> Grant:
+    async def acquire(self, domain: str, limit: Limit, cost: float) -> Grant:
         waited = False
         while True:
             if self.breaker.open_for() is None:
-                share = self._handover_wait(key, limit, cost)
+                share = self._handover_wait(domain, limit, cost)
                 if share:
                     return Grant(_later(share), shared=False, handover=True)
                 try:
-                    result = await self._call_redis(key, limit, cost)
+                    result = await self._call_redis(domain, limit, cost)
                 except ScriptRefused:
-                    return self._paced_alone(key, limit, cost)
+                    return self._paced_alone(domain, limit, cost)
                 if result is not None:
                     return Grant(result, shared=True, waited_for_redis=waited)
             policy = self._config.on_redis_error
             if policy == FALLBACK_LOCAL:
-                return self._paced_alone(key, limit, cost)
+                return self._paced_alone(domain, limit, cost)
             if policy == FALLBACK_OPEN:
                 self._stats.inc_value(f"{STATS_PREFIX}/fallback/open")
                 return Grant(_ALLOWED, shared=False)
             waited = True
             await self.breaker.wait_closed()
 
-    def _paced_alone(self, key: str, limit: Limit, cost: float) -> Grant:
-        """A decision of this worker alone: its share of *key*'s rate."""
+    def _paced_alone(self, domain: str, limit: Limit, cost: float) -> Grant:
+        """A decision of this worker alone: its share of *domain*'s rate."""
         workers = self.workers()
         if workers is not None:
             self._stats.inc_value(f"{STATS_PREFIX}/fallback/local")
-            result = self.local.acquire(key, limit, cost, self._config.max_reserve, workers)
+            result = self.local.acquire(domain, limit, cost, self._config.max_reserve, workers)
             return Grant(result, shared=False)
         # The fleet's size is not known, nor this worker's share: it sends nothing until Redis
         # answers, and asks again after the longest probe delay (parked meanwhile when that is
@@ -329,17 +329,17 @@ class ResilientBucket:
         self._stats.inc_value(f"{STATS_PREFIX}/fallback/unknown_fleet")
         return Grant(_later(self._config.probe_interval), shared=False)
 
-    async def _call_redis(self, key: str, limit: Limit, cost: float) -> AcquireResult | None:
+    async def _call_redis(self, domain: str, limit: Limit, cost: float) -> AcquireResult | None:
         openings = self._openings
         result = await self._guarded(
-            key,
+            domain,
             self._bucket.acquire(
-                key, limit, cost, self._config.max_reserve, busy_for=self.local.busy_for(key)
+                domain, limit, cost, self._config.max_reserve, busy_for=self.local.busy_for(domain)
             ),
         )
         if result is None:
             return None
-        self.local.follow(key, result)
+        self.local.follow(domain, result)
         if openings != self._openings and self._config.on_redis_error == FALLBACK_LOCAL:
             # Redis answered a call sent before it failed: its moment was chosen without what
             # the fallback gave out meanwhile, and may collide with it. The request goes by the
@@ -347,7 +347,7 @@ class ResilientBucket:
             return None
         return result
 
-    def _handover_wait(self, key: str, limit: Limit, cost: float) -> float:
+    def _handover_wait(self, domain: str, limit: Limit, cost: float) -> float:
         """Right after an outage, how long a request must wait for this worker's share (0: it
         may ask Redis now, and its share is taken). Redis is back for this worker, but another
         one may not have noticed yet (its next probe may be up to
@@ -358,7 +358,7 @@ class ResilientBucket:
         workers = self.workers()
         if workers is None or time.monotonic() >= self._handover_until:
             return 0.0
-        share = self._handover.acquire(key, limit, cost, 0.0, workers)
+        share = self._handover.acquire(domain, limit, cost, 0.0, workers)
         if share.allowed:
             return 0.0
         self._stats.inc_value(f"{STATS_PREFIX}/handover_waits")
@@ -368,57 +368,62 @@ class ResilientBucket:
         """The ``"local"`` policy's divisor: the setting, else the fleet's size as last seen."""
         return self._config.fallback_workers or self._fleet_size()
 
-    def clock(self, key: str) -> ServerClock:
-        """Redis's clock as *key*'s bucket sees it (see :meth:`.TokenBucket.clock`)."""
-        return self._bucket.clock(key)
+    def clock(self, domain: str) -> ServerClock:
+        """Redis's clock as *domain*'s bucket sees it (see :meth:`.TokenBucket.clock`)."""
+        return self._bucket.clock(domain)
 
-    async def voided(self, key: str) -> tuple[bool, Voiding | None]:
-        """Whether Redis could tell, and the last voiding of *key*'s reserved moments (see
+    async def voided(self, domain: str) -> tuple[bool, Voiding | None]:
+        """Whether Redis could tell, and the last voiding of *domain*'s reserved moments (see
         :meth:`.TokenBucket.voided`)."""
         if self.breaker.open_for() is not None:
             return False, None
-        reply = await self._answered(key, self._voided(key))
+        reply = await self._answered(domain, self._voided(domain))
         return (False, None) if reply is None else (True, reply[0])
 
-    async def _voided(self, key: str) -> tuple[Voiding | None]:
+    async def _voided(self, domain: str) -> tuple[Voiding | None]:
         # In a tuple: None is an answer here, and _guarded's word for a failed call.
-        return (await self._bucket.voided(key),)
+        return (await self._bucket.voided(domain),)
 
-    async def penalize(self, key: str, limit: Limit, retry_after: float | None) -> Penalty | None:
-        """Pause *key* for the fleet (see :mod:`.penalties`); None when Redis could not be told."""
+    async def penalize(
+        self, domain: str, limit: Limit, retry_after: float | None
+    ) -> Penalty | None:
+        """Pause *domain* for the fleet (see :mod:`.penalties`); None when Redis could not be
+        told."""
         if self.breaker.open_for() is not None:
             return None
         return await self._answered(
-            key, self._bucket.penalize(key, limit, retry_after, self._config.backoff)
+            domain, self._bucket.penalize(domain, limit, retry_after, self._config.backoff)
         )
 
     async def slow_down(
-        self, key: str, limit: Limit, age: float, hold: float = 0
+        self, domain: str, limit: Limit, age: float, hold: float = 0
     ) -> SlowDown | None:
-        """Lower *key*'s adaptive rate for the fleet (see :meth:`TokenBucket.slow_down`); None
+        """Lower *domain*'s adaptive rate for the fleet (see :meth:`TokenBucket.slow_down`); None
         when the adaptive rate is off or Redis could not be told."""
         adaptive = self._config.adaptive
         if adaptive is None or self.breaker.open_for() is not None:
             return None
-        return await self._answered(key, self._bucket.slow_down(key, limit, adaptive, age, hold))
+        return await self._answered(
+            domain, self._bucket.slow_down(domain, limit, adaptive, age, hold)
+        )
 
-    async def unreserve(self, key: str, reservations: list[Reservation]) -> Unreserved | None:
-        """Give *key*'s bucket back *reservations* (see :meth:`.TokenBucket.unreserve`); None
+    async def unreserve(self, domain: str, reservations: list[Reservation]) -> Unreserved | None:
+        """Give *domain*'s bucket back *reservations* (see :meth:`.TokenBucket.unreserve`); None
         when Redis could not be told (they expire with their moments)."""
         if self.breaker.open_for() is not None:
             return None
-        return await self._answered(key, self._bucket.unreserve(key, reservations))
+        return await self._answered(domain, self._bucket.unreserve(domain, reservations))
 
-    async def _answered(self, key: str, call: Awaitable[_T]) -> _T | None:
+    async def _answered(self, domain: str, call: Awaitable[_T]) -> _T | None:
         """:meth:`_guarded`, with a refused call taken as no answer."""
         try:
-            return await self._guarded(key, call)
+            return await self._guarded(domain, call)
         except ScriptRefused:
             return None
 
-    async def _guarded(self, key: str, call: Awaitable[_T]) -> _T | None:
-        """Await a script *call* for *key*, counted; None when it failed (the breaker hears of
-        both, and the probe then tries where *key* lives); ScriptRefused when the script
+    async def _guarded(self, domain: str, call: Awaitable[_T]) -> _T | None:
+        """Await a script *call* for *domain*, counted; None when it failed (the breaker hears
+        of both, and the probe then tries where *domain* lives); ScriptRefused when the script
         refused it (Redis answered: a success to the breaker)."""
         self._stats.inc_value(f"{STATS_PREFIX}/redis_calls")
         try:
@@ -427,10 +432,13 @@ class ResilientBucket:
             if isinstance(exc, ResponseError) and str(exc).startswith((REFUSAL, WRONG_TYPE)):
                 self._succeeded()
                 self._rejections.reject(
-                    "script_call", key, str(exc)[:300], "this request is paced by this worker alone"
+                    "script_call",
+                    domain,
+                    str(exc)[:300],
+                    "this request is paced by this worker alone",
                 )
                 raise ScriptRefused(str(exc)) from None
-            self._failed_key = key
+            self._failed_domain = domain
             self._failed(exc)
             return None
         self._succeeded()
@@ -460,7 +468,7 @@ class ResilientBucket:
                 break
             self._stats.inc_value(f"{STATS_PREFIX}/redis_calls")
             try:
-                await self._bucket.probe(self._failed_key)
+                await self._bucket.probe(self._failed_domain)
             except RedisError as exc:
                 self._stats.inc_value(f"{STATS_PREFIX}/redis_errors/{type(exc).__name__}")
                 continue

@@ -61,7 +61,7 @@ class Turns:
     async def take(
         self,
         request: Request,
-        key: str,
+        domain: str,
         limit: Limit,
         cost: float,
         ticket: Ticket | None,
@@ -69,7 +69,7 @@ class Turns:
     ) -> Ticket | None:
         """Wait until *request* may go (None), or return the ticket to park it with (only if
         it *may_park*). *ticket*: the request is back from the parking area with it."""
-        with self._activity.holding(key):
+        with self._activity.holding(domain):
             stats = self._stats
             # Its wait counts from its first turn, before it was parked.
             since = time.time() if ticket is None else ticket.waiting_since
@@ -78,39 +78,39 @@ class Turns:
                 ticket is not None
                 and ticket.reserved
                 and await self._hold_until(
-                    key,
-                    ticket.moment(self._budget.clock(key)),
+                    domain,
+                    ticket.moment(self._budget.clock(domain)),
                     ticket.reserved_at,
                     ticket.elsewhere,
                     ticket.locally,
                 )
             ):
-                self._went(request, key, since, delayed=True)
+                self._went(request, domain, since, delayed=True)
                 return None
             delayed = ticket is not None
             while True:
                 asked_at = time.time()
-                grant = await self._budget.acquire(key, limit, cost)
+                grant = await self._budget.acquire(domain, limit, cost)
                 result = grant.result
                 decided = result.decided(asyncio.get_running_loop().time())
                 delayed = delayed or grant.waited_for_redis
-                paused = 0.0 if grant.shared else self._pauses.paused_for(key)
+                paused = 0.0 if grant.shared else self._pauses.paused_for(domain)
                 if paused:
                     # Without Redis no bucket holds the pause back: this worker does.
                     delayed = True
                     await sleep(paused)
                     continue
                 if result.allowed:
-                    if self._missed(key, decided):
+                    if self._missed(domain, decided):
                         # Read too late to go now (see MISSED_AFTER): its token is spent.
                         delayed = True
                         continue
-                    self._went(request, key, since, delayed)
+                    self._went(request, domain, since, delayed)
                     return None
                 if result.paused and grant.shared:
                     stats.inc_value(f"{STATS_PREFIX}/paused_live")
                 if may_park and result.retry_after > self._config.max_hold:
-                    return self._park(request, key, limit, grant, asked_at, since)
+                    return self._park(request, domain, limit, grant, asked_at, since)
                 if grant.handover:
                     why = ", keeping to this worker's share just after an outage"
                 elif result.paused:
@@ -118,12 +118,12 @@ class Turns:
                 else:
                     why = "" if grant.shared else ", paced locally while Redis fails"
                 logger.debug(
-                    "Redis throttle: %(request)s waits %(delay).3f s for %(key)r "
+                    "Redis throttle: %(request)s waits %(delay).3f s for %(domain)r "
                     "(%(limit)s)%(why)s",
                     {
                         "request": request,
                         "delay": result.retry_after,
-                        "key": key,
+                        "domain": domain,
                         "limit": limit,
                         "why": why,
                     },
@@ -132,8 +132,8 @@ class Turns:
                 delayed = True
                 if result.reserved:
                     moment = decided + result.retry_after
-                    if await self._hold_until(key, moment, asked_at, local=not grant.shared):
-                        self._went(request, key, since, delayed)
+                    if await self._hold_until(domain, moment, asked_at, local=not grant.shared):
+                        self._went(request, domain, since, delayed)
                         return None
                     continue
                 if result.paused:
@@ -144,22 +144,22 @@ class Turns:
 
     async def _hold_until(
         self,
-        key: str,
+        domain: str,
         moment: float,
         reserved_at: float,
         elsewhere: bool = False,
         local: bool = False,
     ) -> bool:
-        """Wait for the *moment* (loop time) reserved for *key* at *reserved_at*: True when it
+        """Wait for the *moment* (loop time) reserved for *domain* at *reserved_at*: True when it
         comes, False as soon as it is void (see :meth:`_still_reserved`) or missed (see
         :meth:`_missed`)."""
         loop = asyncio.get_running_loop()
         while True:
-            await self._pauses.sleep(key, moment - loop.time())
+            await self._pauses.sleep(domain, moment - loop.time())
             if (
-                self._missed(key, moment)
-                or not await self._still_reserved(key, reserved_at, moment, elsewhere, local)
-                or self._missed(key, moment)  # Redis answered the voiding's read too late
+                self._missed(domain, moment)
+                or not await self._still_reserved(domain, reserved_at, moment, elsewhere, local)
+                or self._missed(domain, moment)  # Redis answered the voiding's read too late
             ):
                 return False
             # Else woken early by a pause that does not void this moment (one that came after
@@ -167,23 +167,23 @@ class Turns:
             if loop.time() >= moment - MOMENT_SLACK:
                 return True
 
-    def _missed(self, key: str, moment: float) -> bool:
+    def _missed(self, domain: str, moment: float) -> bool:
         """Whether it is over ``MISSED_AFTER`` too late to go at *moment* (counted)."""
         late = asyncio.get_running_loop().time() - moment
         if late <= MISSED_AFTER:
             return False
         self._stats.inc_value(f"{STATS_PREFIX}/missed_moments")
         logger.debug(
-            "Redis throttle: a request missed its moment for %(key)r by %(late).3f s (its worker "
-            "was busy): it asks for a new one",
-            {"key": key, "late": late},
+            "Redis throttle: a request missed its moment for %(domain)r by %(late).3f s (its "
+            "worker was busy): it asks for a new one",
+            {"domain": domain, "late": late},
             extra=self._log_extra(),
         )
         return True
 
     async def _still_reserved(
         self,
-        key: str,
+        domain: str,
         reserved_at: float,
         moment: float,
         elsewhere: bool = False,
@@ -195,26 +195,26 @@ class Turns:
         Redis (not *local*ly, while Redis failed), a pause published while this worker was not
         listening is read from Redis; if Redis cannot tell, the request goes by what this
         worker heard (under the ``"wait"`` policy, it asks again)."""
-        if not local and not self._pauses.knows_voidings(key, reserved_at, elsewhere):
+        if not local and not self._pauses.knows_voidings(domain, reserved_at, elsewhere):
             self._stats.inc_value(f"{STATS_PREFIX}/voidings_read")
             read_at = time.time()
-            known, voiding = await self._budget.voided(key)
+            known, voiding = await self._budget.voided(domain)
             if known:
-                self._pauses.read(key, voiding, read_at)
+                self._pauses.read(domain, voiding, read_at)
             elif self._config.on_redis_error == FALLBACK_WAIT:
                 return False  # nothing goes on a guess: it asks again, and waits for Redis
             # Else Redis fails, and what this worker heard is all it can know: a moment
             # reserved in Redis is still the fleet's, where a new one (paced alone) would know
             # no more of the pauses published meanwhile.
-        if self._pauses.voided(key, reserved_at, moment, elsewhere):
+        if self._pauses.voided(domain, reserved_at, moment, elsewhere):
             self._stats.inc_value(f"{STATS_PREFIX}/paused_reservations")
             return False
         return True
 
-    def _went(self, request: Request, key: str, since: float, delayed: bool) -> None:
+    def _went(self, request: Request, domain: str, since: float, delayed: bool) -> None:
         """Count a request that leaves for the download, first seen at *since* (wall time)."""
         stats = self._stats
-        self._activity.went(key)
+        self._activity.went(domain)
         if self._config.adaptive is not None:
             request.meta[SENT_META] = asyncio.get_running_loop().time()
         stats.inc_value(f"{STATS_PREFIX}/requests")
@@ -229,7 +229,13 @@ class Turns:
         stats.max_value(f"{STATS_PREFIX}/wait_time_max", waited)
 
     def _park(
-        self, request: Request, key: str, limit: Limit, grant: Grant, asked_at: float, since: float
+        self,
+        request: Request,
+        domain: str,
+        limit: Limit,
+        grant: Grant,
+        asked_at: float,
+        since: float,
     ) -> Ticket:
         """The ticket that parks *request* until shortly before it may go."""
         result = grant.result
@@ -245,16 +251,16 @@ class Turns:
                 - self._config.max_reserve * random.uniform(0.5, 1)
             )
         logger.debug(
-            "Redis throttle: %(request)s parked for %(delay).3f s for %(key)r (%(limit)s)",
-            {"request": request, "delay": delay, "key": key, "limit": limit},
+            "Redis throttle: %(request)s parked for %(delay).3f s for %(domain)r (%(limit)s)",
+            {"request": request, "delay": delay, "domain": domain, "limit": limit},
             extra=self._log_extra(),
         )
         self._stats.inc_value(f"{STATS_PREFIX}/park_requests")
-        self._activity.park(key, 1)
+        self._activity.park(domain, 1)
         due = result.decided(asyncio.get_running_loop().time()) + delay
         reservation = result.reservation if grant.shared else None
         return Ticket(
-            key,
+            domain,
             due,
             result.reserved,
             not grant.shared,

@@ -38,14 +38,14 @@ if TYPE_CHECKING:
 SECURITY_DOCS = Path(__file__).resolve().parent.parent / "docs" / "operations" / "security.rst"
 
 
-def parked_member(flag: bytes, key: str, body: bytes, reserved_at: float = 0.0) -> bytes:
+def parked_member(flag: bytes, domain: str, body: bytes, reserved_at: float = 0.0) -> bytes:
     """A member of the parking set, as park.lua takes them: *flag* (r: indexed by its reserved
-    moment, u: not), the throttle *key*, *reserved_at* (wall time) and *body* as the request."""
+    moment, u: not), the *domain*, *reserved_at* (wall time) and *body* as the request."""
     return b"%s%s%05d%s%016d%s" % (
         flag,
         uuid.uuid4().hex.encode(),
-        len(key),
-        key.encode(),
+        len(domain),
+        domain.encode(),
         reserved_at * 1e6,
         body,
     )

@@ -55,12 +55,12 @@ from scrapy_redis_throttle.parking import RedisParking, Ticket, read_member
 from scrapy_redis_throttle.penalties import (
     MAX_RESUBSCRIBE_DELAY,
     MAX_RETRY_AFTER,
-    PAUSES_PER_KEY,
+    PAUSES_PER_DOMAIN,
     SWEEP_STEP,
     Pauses,
     parse_retry_after,
 )
-from scrapy_redis_throttle.rates import Limit, normalize_key, parse_limit
+from scrapy_redis_throttle.rates import Limit, normalize_domain, parse_limit
 from scrapy_redis_throttle.redis_schema import bucket_key, penalty_key, rate_key
 from scrapy_redis_throttle.rejections import Rejections
 from scrapy_redis_throttle.request_codec import Unparkable, decode_request, encode_request
@@ -334,7 +334,7 @@ async def test_a_flood_of_pauses_for_one_domain_keeps_a_few_that_void_as_much(
     redis_server: RedisServer,
 ) -> None:
     """Pauses heard later and ending sooner, one after the other (a channel flooded on
-    purpose): a domain keeps at most PAUSES_PER_KEY, and every moment any of them voids stays
+    purpose): a domain keeps at most PAUSES_PER_DOMAIN, and every moment any of them voids stays
     void."""
     pauses, client, _ = listening_pauses(redis_server, lambda *_: None)
     try:
@@ -346,7 +346,7 @@ async def test_a_flood_of_pauses_for_one_domain_keeps_a_few_that_void_as_much(
         voided = pauses.voided("a.example", reserved_before, soon + 590)
     finally:
         await close(client)
-    assert kept <= PAUSES_PER_KEY
+    assert kept <= PAUSES_PER_DOMAIN
     assert voided, "the first pause, 600 s long, still voids a moment 591 s ahead"
 
 
@@ -764,7 +764,7 @@ async def test_a_call_a_script_refuses_is_that_requests_problem_not_an_outage(
 
 
 @pytest.mark.parametrize(
-    ("name", "key"),
+    ("name", "domain"),
     [
         ("Shop.Example.", "shop.example"),  # a fully qualified name: its trailing dot
         ("bücher.example", "xn--bcher-kva.example"),  # as Scrapy's requests carry it
@@ -773,13 +773,13 @@ async def test_a_call_a_script_refuses_is_that_requests_problem_not_an_outage(
         ("127.0.0.2", "127.0.0.2"),
     ],
 )
-def test_names_are_compared_as_requests_carry_them(name: str, key: str) -> None:
-    assert normalize_key(name) == key
+def test_names_are_compared_as_requests_carry_them(name: str, domain: str) -> None:
+    assert normalize_domain(name) == domain
     table = ThrottleConfig.from_settings(Settings({"REDIS_THROTTLE_RATES": {name: "1/s"}})).limits
-    assert table.lookup(key) is not None, f"the pattern {name!r} applies to {key!r}"
+    assert table.lookup(domain) is not None, f"the pattern {name!r} applies to {domain!r}"
     wildcards = {f"*.{name}": "1/s"}
     table = ThrottleConfig.from_settings(Settings({"REDIS_THROTTLE_RATES": wildcards})).limits
-    assert table.lookup(f"a.{key}") is not None
+    assert table.lookup(f"a.{domain}") is not None
 
 
 def test_a_name_idna_refuses_is_a_configuration_error() -> None:
