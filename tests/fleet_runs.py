@@ -89,13 +89,15 @@ def one_line_settings(redis_url: str, per_domain: int | None, **overrides: Any) 
 def fleet_jobs(
     site: DemoSite, settings: dict[str, Any], counts: dict[str, int], rates: dict[str, Any]
 ) -> list[dict[str, Any]]:
-    """WORKERS jobs that share *counts* pages per host between them, each page in one job."""
+    """WORKERS jobs that share *counts* pages per host between them, each page in one job, and
+    report what their throttles did (see ``crawl_worker.Releases``)."""
     requests = [spec for host, count in counts.items() for spec in pages(site, host, count)]
     return [
         {
             "settings": settings,
             "requests": requests[worker::WORKERS],
             "spider_attributes": {"redis_throttle_rates": rates},
+            "releases": True,
         }
         for worker in range(WORKERS)
     ]
