@@ -87,10 +87,12 @@ TICKET_META = "_redis_throttle_ticket"
 # Give parked requests back this long before they are due: the middleware holds them for the
 # rest, so that they leave exactly on time however busy the engine is.
 RELEASE_AHEAD = 0.5
-# A parked request's exact moment (Ticket.moment_us) and the due the parking area tells agree
-# within this: the due is late by at most park.lua's WAITED_AT_MOST (0.1 s) and the two clocks'
-# bounds (ms). A moment further off is not one Redis gave, as this process reads it (a member
-# written into the parking set by hand, a clock that stepped): the due counts.
+# A parked request's exact moment (Ticket.moment_us) is not after the due the parking area tells
+# by more than this (the two clocks' bounds, ms): a moment further after it is not one Redis
+# gave, as this process reads it (a clock that stepped), and the due counts. The due may be late
+# by any amount: park.lua counts at most WAITED_AT_MOST (0.1 s) of the wait of a park call queued
+# behind its connection's batch, which a busy worker reads late (up to 1.1 s measured); going at
+# such a due instead of the moment squeezed the request against the next moment's.
 MOMENT_AGREES = 0.25
 RELEASE_BATCH = 32
 # The least time between two looks for due requests: those due meanwhile are given back
@@ -156,7 +158,9 @@ class Ticket:
         """The loop time of its reserved moment: by *clock* (the throttle's Redis's) when it
         knows it, else the due the parking area told."""
         exact = None if self.moment_us is None else clock.loop_time(self.moment_us)
-        if exact is None or abs(exact - self.due) > MOMENT_AGREES:
+        # A due later than the moment is a park that waited (see MOMENT_AGREES): the moment
+        # counts, and a request given back too late for it misses it (it asks anew).
+        if exact is None or exact - self.due > MOMENT_AGREES:
             return self.due
         return exact
 
