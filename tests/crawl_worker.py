@@ -7,9 +7,9 @@ with what the benchmarks measure added: ``worker/download_seconds`` and
 ``worker/download_cpu_seconds``, the time and this process's CPU time from the first response
 to the last (start-up and imports left out), and ``worker/gc_freeze_count``, the objects left
 frozen out of the garbage collector at the end. With ``"loop_probe": true`` in the JSON, also
-``worker/loop_stalls`` and ``worker/loop_stall_max_ms`` (see :class:`LoopProbe`). With
-``"releases": true``, what the throttle did per domain (see :class:`Releases`):
-``worker/releases`` and ``worker/missed``.
+``worker/loop_stalls`` and ``worker/loop_stall_max_ms`` (see :class:`LoopProbe`). The settings
+are the test's (from ``spiders.BASE_SETTINGS``, or with ``releases.EXTENSION`` among them):
+``test/released`` and ``test/missed`` tell what the throttle did per domain.
 """
 
 from __future__ import annotations
@@ -17,18 +17,12 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
-import logging
 import sys
 import time
-from collections import Counter, defaultdict
-from typing import Any
 
-from scrapy import Request, signals
+from scrapy import signals
 from scrapy.crawler import CrawlerProcess
-from scrapy.utils.httpobj import urlparse_cached
 from spiders import UrlListSpider
-
-from scrapy_redis_throttle import waiting
 
 # A wake-up of the probe this late is a stall: a request sent then left that much late.
 STALL = 0.02
@@ -65,32 +59,6 @@ class LoopProbe:
         }
 
 
-class Releases(logging.Handler):
-    """When each request left the throttle for the download (wall time, by host), and the
-    moments this worker missed, by domain (each asked anew: its slot went unused). Scrapy's
-    ``request_reached_downloader`` comes right after the downloader middlewares; a request's
-    arrival at the site comes later by the time its connection takes, which tests do not time
-    (a new one took up to 95 ms in a busy process)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.times: defaultdict[str, list[float]] = defaultdict(list)
-        self.missed: Counter[str] = Counter()
-        logger = logging.getLogger(waiting.__name__)
-        logger.setLevel(logging.DEBUG)  # Scrapy's handler still logs at LOG_LEVEL
-        logger.addHandler(self)
-
-    def reached(self, request: Request) -> None:
-        self.times[urlparse_cached(request).hostname or ""].append(time.time())
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if str(record.msg).startswith("Redis throttle: a request missed its moment"):
-            self.missed[record.args["domain"]] += 1  # type: ignore[call-overload,index]
-
-    def stats(self) -> dict[str, Any]:
-        return {"worker/releases": self.times, "worker/missed": self.missed}
-
-
 def main() -> None:
     job = json.loads(sys.argv[1] if len(sys.argv) > 1 else sys.stdin.read())
     process = CrawlerProcess(job["settings"])
@@ -102,9 +70,6 @@ def main() -> None:
         responses.append((time.perf_counter(), time.process_time()))
 
     crawler.signals.connect(received, signal=signals.response_received)
-    releases = Releases() if job.get("releases") else None
-    if releases is not None:
-        crawler.signals.connect(releases.reached, signal=signals.request_reached_downloader)
     probe = LoopProbe() if job.get("loop_probe") else None
     if probe is not None:
         crawler.signals.connect(probe.start, signal=signals.response_received)
@@ -117,7 +82,6 @@ def main() -> None:
         "worker/download_cpu_seconds": last[1] - first[1],
         "worker/gc_freeze_count": gc.get_freeze_count(),
         **(probe.stats() if probe is not None else {}),
-        **(releases.stats() if releases is not None else {}),
     }
     print("STATS " + json.dumps(stats, default=str), flush=True)
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from demo_site import HOSTS, Arrival, DemoSite
 from processes import start_crawl_workers, wait_until
+from releases import EXTENSION as RELEASES_EXTENSION
 from support import ARRIVAL_JITTER, pages
 
 WORKERS = 3
@@ -90,14 +91,13 @@ def fleet_jobs(
     site: DemoSite, settings: dict[str, Any], counts: dict[str, int], rates: dict[str, Any]
 ) -> list[dict[str, Any]]:
     """WORKERS jobs that share *counts* pages per host between them, each page in one job, and
-    report what their throttles did (see ``crawl_worker.Releases``)."""
+    report what their throttles did (see :mod:`releases`)."""
     requests = [spec for host, count in counts.items() for spec in pages(site, host, count)]
     return [
         {
-            "settings": settings,
+            "settings": {**settings, "EXTENSIONS": RELEASES_EXTENSION},
             "requests": requests[worker::WORKERS],
             "spider_attributes": {"redis_throttle_rates": rates},
-            "releases": True,
         }
         for worker in range(WORKERS)
     ]

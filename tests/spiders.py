@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from releases import EXTENSION as RELEASES_EXTENSION
 from scrapy import Request, Spider
 from scrapy_redis.spiders import RedisSpider
 
@@ -24,6 +25,7 @@ BASE_SETTINGS: dict[str, Any] = {
     "TELNETCONSOLE_ENABLED": False,
     "LOG_LEVEL": "DEBUG",
     "CLOSESPIDER_TIMEOUT": 60,  # a guard: a stuck crawl ends and its assertions fail
+    "EXTENSIONS": RELEASES_EXTENSION,
 }
 
 

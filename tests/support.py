@@ -10,15 +10,16 @@ import re
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest_twisted
-from demo_site import HOSTS, DemoSite
+from demo_site import HOSTS, Arrival, DemoSite
 from processes import WORKER, finish_crawl_workers, start_crawl_workers, tool, wait_until
 from redis.asyncio import Redis
+from releases import MISSED, RELEASED
 from scrapy.crawler import CrawlerRunner
 from scrapy.utils.defer import deferred_from_coro, maybe_deferred_to_future
 from spiders import BASE_SETTINGS, UrlListSpider
@@ -161,6 +162,36 @@ def assert_never_early(arrivals: list[float], moments: list[float], what: str) -
         )
 
 
+def released(stats: Mapping[str, Any] | Iterable[Mapping[str, Any]], *hosts: str) -> list[float]:
+    """When the requests to *hosts* left the throttle (wall times), in the crawls of these
+    *stats* (see :mod:`releases`)."""
+    every = [stats] if isinstance(stats, Mapping) else list(stats)
+    return sorted(t for each in every for host in hosts for t in each[RELEASED].get(host, []))
+
+
+def missed_moments(stats: Mapping[str, Any] | Iterable[Mapping[str, Any]], domain: str) -> int:
+    """The moments of *domain* the crawls of these *stats* missed (each asked anew: its slot of
+    the budget went unused)."""
+    every = [stats] if isinstance(stats, Mapping) else list(stats)
+    return sum(int(each[MISSED].get(domain, 0)) for each in every)
+
+
+def assert_released_paced(
+    stats: Mapping[str, Any] | Iterable[Mapping[str, Any]],
+    arrivals: list[Arrival],
+    rate: float,
+    burst: int,
+    what: str,
+    extra: int = 0,
+) -> None:
+    """The requests to *what* (a host) left the throttle paced at *rate* and *burst* (see
+    :func:`assert_paced`), in the crawls of these *stats*, and none of the site's *arrivals*
+    came before its release."""
+    times = released(stats, what)
+    assert_paced(times, rate, burst, f"{what}, as released", extra=extra)
+    assert_never_early([arrival.wall_time for arrival in arrivals], times, what)
+
+
 def achieved_rate(times: list[float], burst: int, missed: int = 0) -> float:
     """Requests per second after the initial burst, over the busy period, counting the slots of
     *missed* moments as used."""
@@ -272,12 +303,9 @@ def crawl_through_failover(
         assert fallback >= 2, "requests asked while there was no primary"
     else:
         assert errors == {}, "a failover asked for fails no call"
-    if fallback:
-        # As in tests/test_faults.py, both workers' local buckets start with a token of their
-        # own after a switch; and one moment may be handed out twice.
-        assert_paced(times, rate=10, burst=1, what=host, extra=2 + 1)
-    else:
-        assert_paced(times, rate=10, burst=1, what=host)
+    # As in tests/test_faults.py, when requests were paced locally both workers' local buckets
+    # start with a token of their own after a switch; and one moment may be handed out twice.
+    assert_released_paced(all_stats, arrivals, 10, 1, host, extra=2 + 1 if fallback else 0)
     around = [t for t in times if failing_over - 1 < t < switched + 5]
     pause = max(later - earlier for earlier, later in itertools.pairwise(around))
     print(
@@ -295,16 +323,20 @@ def crawl_through_failover(
 __all__ = [
     "WORKER",
     "achieved_rate",
+    "assert_never_early",
     "assert_paced",
+    "assert_released_paced",
     "async_test",
     "crawl_settings",
     "crawl_through_failover",
     "documented_acl_rules",
     "documented_cluster_rights",
     "finish_crawl_workers",
+    "missed_moments",
     "one_domain_jobs",
     "pages",
     "redis_now_us",
+    "released",
     "run_crawl",
     "start_crawl_workers",
     "token_bucket",

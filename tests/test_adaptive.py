@@ -11,13 +11,16 @@ import redis
 from demo_site import HOSTS, DemoSite
 from local_redis import RedisServer
 from support import (
+    assert_never_early,
     assert_paced,
+    assert_released_paced,
     async_test,
     crawl_settings,
     finish_crawl_workers,
     one_domain_jobs,
     pages,
     redis_now_us,
+    released,
     run_crawl,
     start_crawl_workers,
     token_bucket,
@@ -197,15 +200,16 @@ def test_the_fleet_slows_down_after_a_429_and_remembers_it_across_restarts(
     assert sorted(a.path for a in first_arrivals if a.status == 200) == sorted(
         f"/page/{n}" for n in range(20)
     ), "every page of the first crawl, the refused one retried"
-    [refused] = [a.time for a in first_arrivals if a.status == 429]
-    after_pause = [a.time for a in first_arrivals if a.time > refused]
-    assert_paced(after_pause, rate=5, burst=1, what="A after the 429")
+    [refused] = [a.wall_time for a in first_arrivals if a.status == 429]
+    after_pause = [t for t in released(first, A) if t > refused]
+    assert_paced(after_pause, rate=5, burst=1, what="A after the 429, as released")
+    assert_never_early([a.wall_time for a in first_arrivals], released(first, A), A)
     assert sum(s.get("redis_throttle/adaptive/lowered", 0) for s in first) == 1
     # The moments both workers reserved at 10/s were void: their requests asked again.
     assert sum(s.get("redis_throttle/paused_reservations", 0) for s in first) >= 10
     assert sum(s.get("redis_throttle/adaptive/lowered", 0) for s in second) == 0
     assert len(restarted) == 20
-    assert_paced([a.time for a in restarted], rate=5, burst=1, what="A after a restart")
+    assert_released_paced(second, restarted, 5, 1, A)
     with redis_server.client() as client:
         assert float(client.get(rate_key("redis_throttle", A)).split()[0]) == 5
 

@@ -18,7 +18,7 @@ from local_redis import RedisServer, free_port
 from redis_topologies import UNUSED_URL, LocalCluster
 from scrapy.settings import Settings
 from support import (
-    assert_paced,
+    assert_released_paced,
     async_test,
     crawl_settings,
     crawl_through_failover,
@@ -354,11 +354,10 @@ def test_a_fleet_goes_on_while_a_slot_moves(
     assert sorted(arrival.path for arrival in arrivals) == sorted(
         f"/page/{n}" for n in range(60)
     ), "every page once"
-    times = [arrival.time for arrival in arrivals]
     failures = {name for stats in all_stats for name in stats if "errors" in name}
     if dropped is None:
         assert failures == set()
-        assert_paced(times, rate=10, burst=1, what=A)
+        assert_released_paced(all_stats, arrivals, 10, 1, A)
     else:  # the policy paces the calls that failed (docs, "When Redis fails")
         assert "redis_throttle/redis_errors/NoPermissionError" in failures
     print(

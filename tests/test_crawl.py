@@ -1,6 +1,7 @@
 """Real Scrapy crawls of a real multi-host HTTP site, paced through a real redis-server.
 
-Pacing is measured where it matters: at the server, from the arrival time of each request.
+Pacing is judged when each request left the throttle (see releases.py), and no request may
+arrive at the server before that.
 """
 
 from __future__ import annotations
@@ -29,11 +30,14 @@ from support import (
     ARRIVAL_JITTER,
     WORKER,
     achieved_rate,
+    assert_never_early,
     assert_paced,
+    assert_released_paced,
     async_test,
     crawl_settings,
     finish_crawl_workers,
     pages,
+    released,
     run_crawl,
     start_crawl_workers,
     wait_until_async,
@@ -64,11 +68,11 @@ async def test_two_domains_are_paced_at_their_own_rates(
 
     assert len(site.arrivals(A)) == 21
     assert len(site.arrivals(B)) == 9
+    stats = crawler.stats.get_stats()
     for host, rate in ((A, 5.0), (B, 2.0)):
-        assert_paced(times(site, host), rate=rate, burst=1, what=host)
+        assert_released_paced(stats, site.arrivals(host), rate, 1, host)
         achieved = achieved_rate(times(site, host), burst=1)
         assert achieved >= 0.9 * rate, f"{host}: {achieved:.2f}/s achieved, limit {rate}/s"
-    stats = crawler.stats.get_stats()
     assert stats["test/responses"] == 30
     assert stats["redis_throttle/requests"] == 30
     assert stats["redis_throttle/allowed_immediately"] == 2, "one request per domain, the burst"
@@ -107,7 +111,7 @@ async def test_requests_woken_late_by_a_busy_worker_ask_for_new_moments(
     assert stalled
     assert crawler.stats.get_value("test/responses") == 6
     assert crawler.stats.get_value("redis_throttle/missed_moments", 0) >= 3
-    assert_paced(times(site, A), rate=5, burst=1, what=A)
+    assert_released_paced(crawler.stats.get_stats(), site.arrivals(A), 5, 1, A)
 
 
 @async_test
@@ -134,7 +138,7 @@ async def test_replies_read_late_keep_the_moments_redis_gave(
     assert [crawler.stats.get_value("test/responses") for crawler in crawlers] == [12, 12]
     arrivals = times(site, A)
     print("gaps (ms):", [round(1000 * (b - a)) for a, b in itertools.pairwise(arrivals)])
-    assert_paced(arrivals, rate=5, burst=1, what=A)
+    assert_released_paced([c.stats.get_stats() for c in crawlers], site.arrivals(A), 5, 1, A)
 
 
 @async_test
@@ -173,11 +177,13 @@ async def test_meta_key_shares_a_budget_and_meta_cost_spends_tokens(
         requests,
         redis_throttle_rates={"group": {"rate": "4/s", "burst": 2}},
     )
-    assert crawler.stats.get_value("test/responses") == 9
-    # Every token spent is an arrival: B's arrivals count twice.
-    tokens = times(site, A) + 2 * times(site, B)
-    assert_paced(tokens, rate=4, burst=2, what="group, in tokens")
-    assert achieved_rate(tokens, burst=2) >= 0.9 * 4
+    stats = crawler.stats.get_stats()
+    assert stats["test/responses"] == 9
+    # Every token spent is a request: B's count twice.
+    assert_paced(released(stats, A) + 2 * released(stats, B), 4, 2, "group, in tokens, as released")
+    for host in (A, B):
+        assert_never_early([a.wall_time for a in site.arrivals(host)], released(stats, host), host)
+    assert achieved_rate(times(site, A) + 2 * times(site, B), burst=2) >= 0.9 * 4
     with redis_server.client() as client:
         # (and the fleet's secret: see scrapy_redis_throttle/seals.py)
         keys = set(client.keys("*")) - {b"redis_throttle:secret"}
@@ -195,8 +201,11 @@ async def test_download_slot_meta_is_the_default_key(
         requests,
         redis_throttle_rates={"shop": "5/s"},
     )
-    assert crawler.stats.get_value("redis_throttle/delayed") == 7
-    assert_paced(times(site, A) + times(site, B), rate=5, burst=1, what="slot shop")
+    stats = crawler.stats.get_stats()
+    assert stats["redis_throttle/delayed"] == 7
+    assert_paced(released(stats, A, B), rate=5, burst=1, what="slot shop, as released")
+    arrivals = [a.wall_time for a in site.arrivals(A) + site.arrivals(B)]
+    assert_never_early(arrivals, released(stats, A, B), "slot shop")
 
 
 @async_test
@@ -259,7 +268,7 @@ def test_two_crawler_processes_share_one_budget(redis_server: RedisServer, site:
     assert (finished - started).total_seconds() > 1, "the two workers crawled at the same time"
 
     assert len(site.arrivals(A)) == 20
-    assert_paced(times(site, A), rate=4, burst=1, what="A, both workers together")
+    assert_released_paced(all_stats, site.arrivals(A), 4, 1, A)
     assert achieved_rate(times(site, A), burst=1) >= 0.9 * 4
 
 
@@ -331,7 +340,7 @@ async def test_wait_policy_holds_requests_until_redis_is_back(
         a.time for a in site.arrivals(A) if stopped + 1 + ARRIVAL_JITTER < a.time < restarted
     ] == []
     assert sorted(a.path for a in site.arrivals(A)) == sorted(f"/page/{n}" for n in range(30))
-    assert_paced(times(site, A), rate=10, burst=1, what=A)
+    assert_released_paced(stats.get_stats(), site.arrivals(A), 10, 1, A)
     assert stats.get_value("test/responses") == 30
     assert stats.get_value("redis_throttle/requests") == 30
     assert stats.get_value("redis_throttle/delayed") >= 20
@@ -368,7 +377,7 @@ async def test_a_worker_that_never_saw_the_fleet_sends_nothing_until_redis_is_ba
 
     assert [a.time for a in site.arrivals(A) if a.time < restarted] == []
     assert sorted(a.path for a in site.arrivals(A)) == sorted(f"/page/{n}" for n in range(10))
-    assert_paced(times(site, A), rate=10, burst=1, what=A)
+    assert_released_paced(stats.get_stats(), site.arrivals(A), 10, 1, A)
     assert stats.get_value("redis_throttle/park_requests") >= 10, "parked, not held"
     assert stats.get_value("redis_throttle/fallback/local", 0) == 0
 

@@ -8,7 +8,7 @@ from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from demo_site import HOSTS, DemoSite
+from demo_site import HOSTS, Arrival, DemoSite
 from local_redis import RedisServer
 from scrapy import Request, Spider, signals
 from scrapy.downloadermiddlewares.robotstxt import RobotsTxtMiddleware
@@ -16,12 +16,14 @@ from scrapy.robotstxt import ProtegoRobotParser
 from scrapy.utils.httpobj import urlparse_cached
 from support import (
     ARRIVAL_JITTER,
-    assert_paced,
+    assert_never_early,
+    assert_released_paced,
     async_test,
     crawl_settings,
     finish_crawl_workers,
     one_domain_jobs,
     pages,
+    released,
     run_crawl,
     start_crawl_workers,
 )
@@ -43,9 +45,13 @@ def robots(delay: float) -> str:
     return f"User-agent: *\nCrawl-delay: {delay:g}\nAllow: /\n"
 
 
+def page_arrivals(site: DemoSite, host: str) -> list[Arrival]:
+    """The arrivals of *host*'s pages (robots.txt left out), in order."""
+    return [a for a in site.arrivals(host) if a.path != "/robots.txt"]
+
+
 def page_times(site: DemoSite, host: str) -> list[float]:
-    """Arrival times of *host*'s pages (robots.txt left out), in order."""
-    return sorted(a.time for a in site.arrivals(host) if a.path != "/robots.txt")
+    return sorted(a.time for a in page_arrivals(site, host))
 
 
 def gaps(times: list[float]) -> list[float]:
@@ -80,14 +86,15 @@ async def test_crawl_delay_becomes_the_hosts_limit(
             pages(site, A, 4) + pages(site, B, 3) + pages(site, C, 6),
             redis_throttle_rates={A: "5/s", B: "5/s", C: "5/s"},
         )
-        assert min(gaps(page_times(site, A))) >= 0.5 - ARRIVAL_JITTER, page_times(site, A)
-        assert min(gaps(page_times(site, B))) >= 1 - ARRIVAL_JITTER, page_times(site, B)
-        c_times = page_times(site, C)
-        assert_paced(c_times, rate=5, burst=1, what="C, configured")
-        assert min(gaps(c_times)) < 0.5, "C has no Crawl-delay: it goes at its 5/s"
+        stats = crawler.stats.get_stats()
+        for host, delay in ((A, 0.5), (B, 1)):
+            went = released(stats, host)
+            assert min(gaps(went)) >= delay - ARRIVAL_JITTER, f"{host}, as released: {went}"
+            assert_never_early([a.wall_time for a in page_arrivals(site, host)], went, host)
+        assert_released_paced(stats, page_arrivals(site, C), 5, 1, C)
+        assert min(gaps(page_times(site, C))) < 0.5, "C has no Crawl-delay: it goes at its 5/s"
         assert {a.path for a in site.arrivals(A)} >= {"/robots.txt"}
 
-    stats = crawler.stats.get_stats()
     assert stats["test/responses"] == 13
     assert stats["redis_throttle/crawl_delay/applied"] == 2
     assert stats["redis_throttle/crawl_delay/capped"] == 1
@@ -112,8 +119,8 @@ async def test_crawl_delay_can_be_switched_off(redis_server: RedisServer) -> Non
             redis_throttle_rates={A: "5/s"},
         )
         times = page_times(site, A)
+        assert_released_paced(crawler.stats.get_stats(), page_arrivals(site, A), 5, 1, A)
     assert len(times) == 6
-    assert_paced(times, rate=5, burst=1, what="A, configured")
     assert max(gaps(times)) < 1, "paced at its configured 5/s, not by the Crawl-delay"
     assert "redis_throttle/crawl_delay/applied" not in crawler.stats.get_stats()
 
@@ -157,7 +164,9 @@ def test_a_fleet_keeps_the_crawl_delay_between_all_its_requests(
         robots_fetches = [a for a in site.arrivals(A) if a.path == "/robots.txt"]
 
     assert len(times) == workers_count * pages_each
-    assert min(gaps(times)) >= 2 - ARRIVAL_JITTER, gaps(times)
+    went = released(all_stats, A)
+    assert min(gaps(went)) >= 2 - ARRIVAL_JITTER, f"as released: {gaps(went)}"
+    assert_never_early([a.wall_time for a in page_arrivals(site, A)], went, A)
     assert len(robots_fetches) == workers_count, "each worker reads robots.txt once"
     for stats in all_stats:
         assert stats["test/responses"] == pages_each
@@ -241,12 +250,13 @@ async def test_a_forgotten_crawl_delay_comes_back_with_its_robots_txt(
         robots_fetches = {
             host: sum(a.path == "/robots.txt" for a in site.arrivals(host)) for host in (A, B)
         }
-        times = {host: page_times(site, host) for host in (A, B)}
-    assert crawler.stats.get_value("redis_throttle/crawl_delay/forgotten") >= 2
+        arrivals = {host: page_arrivals(site, host) for host in (A, B)}
+    stats = crawler.stats.get_stats()
+    assert stats["redis_throttle/crawl_delay/forgotten"] >= 2
     assert min(robots_fetches.values()) >= 2, robots_fetches
     for host in (A, B):
-        assert len(times[host]) == 5
-        assert_paced(times[host], rate=2, burst=1, what=host)
+        assert len(arrivals[host]) == 5
+        assert_released_paced(stats, arrivals[host], 2, 1, host)
 
 
 @needs_robots_signal
@@ -272,10 +282,10 @@ async def test_a_host_whose_robots_txt_scrapy_has_not_stored_yet_is_not_forgotte
             alternating(site),
             {signals.robots_parsed: hold_each_until_the_other},
         )
-        times = {host: page_times(site, host) for host in (A, B)}
+        arrivals = {host: page_arrivals(site, host) for host in (A, B)}
     stats = crawler.stats.get_stats()
     assert "redis_throttle/crawl_delay/forgotten" not in stats, "neither was stored yet"
     assert "log_count/ERROR" not in stats, "RobotsTxtMiddleware lost a robots.txt"
     for host in (A, B):
-        assert len(times[host]) == 5
-        assert_paced(times[host], rate=2, burst=1, what=host)
+        assert len(arrivals[host]) == 5
+        assert_released_paced(stats, arrivals[host], 2, 1, host)

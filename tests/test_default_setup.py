@@ -40,7 +40,7 @@ from fleet_runs import (
 )
 from local_redis import RedisServer
 from run_demo import busiest_window
-from support import achieved_rate, assert_never_early, assert_paced, wait_until
+from support import achieved_rate, assert_released_paced, missed_moments, wait_until
 
 UTILISATION = 0.9
 
@@ -117,7 +117,7 @@ def test_every_domain_uses_its_whole_budget(
         busy = [t for t in times if stopped is None or t <= stopped]
         assert len(busy) >= domain.burst + 2, f"{host}: only {len(busy)} arrivals"
         # A slot a busy worker missed (by over waiting.MISSED_AFTER) is lost, for politeness.
-        missed = sum(end.stats["worker/missed"].get(host, 0) for end in ends)
+        missed = missed_moments([end.stats for end in ends], host)
         utilisations[host] = achieved_rate(busy, domain.burst, missed) / domain.rate
         print(
             f"{frontier}, per-domain {per_domain}: {host} at {domain.rate:g}/s: "
@@ -130,9 +130,9 @@ def test_every_domain_uses_its_whole_budget(
         assert refused(arrivals[host]) == 0, refusals(arrivals[host])
         # Paced as the throttle let them go (a request's new connection then delays it more,
         # at the site: the site's 429s above judge those arrivals), and none arrived before.
-        released = [t for end in ends for t in end.stats["worker/releases"].get(host, [])]
-        assert_paced(released, domain.rate, domain.burst, what=f"{host}, as released")
-        assert_never_early([a.wall_time for a in arrivals[host]], released, host)
+        assert_released_paced(
+            [end.stats for end in ends], arrivals[host], domain.rate, domain.burst, host
+        )
         twice = [path for path, n in fetched(arrivals[host]).items() if n > 1]
         assert twice == [], f"{host}: fetched twice: {twice}"
     low = {
@@ -270,4 +270,6 @@ def test_an_outage_of_the_throttles_redis_keeps_the_fleet_within_the_limit(
         assert end.stats.get("redis_throttle/outages", 0) >= 1, f"worker {index}: {end.stats}"
         assert end.stats.get("redis_throttle/fallback/local", 0) > 0, f"worker {index}: {end.stats}"
     # The rate, and one burst at each switch (to local pacing and back).
-    assert_paced(times, OUTAGE.rate, OUTAGE.burst, what=host, extra=OUTAGE.burst)
+    assert_released_paced(
+        [end.stats for end in ends], arrivals, OUTAGE.rate, OUTAGE.burst, host, extra=OUTAGE.burst
+    )

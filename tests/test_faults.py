@@ -26,11 +26,9 @@ from redis_faults import (
     fault_settings,
     run_fault,
 )
-from scrapy import signals
 from support import (
     ARRIVAL_JITTER,
-    assert_never_early,
-    assert_paced,
+    assert_released_paced,
     async_test,
     finish_crawl_workers,
     run_crawl,
@@ -83,7 +81,7 @@ async def test_local_fallback_keeps_the_pace_through_the_fault(
     # One worker: the local pace is the shared one, and the switches (to local, and back to a
     # Redis bucket that forgot or never saw the local requests) line the two up. One token of
     # slack for scheduling noise at the switch.
-    assert_paced([a.time for a in run.arrivals], rate=RATE, burst=1, what=A, extra=1)
+    assert_released_paced(run.stats, run.arrivals, RATE, 1, A, extra=1)
     if run.outages:
         assert run.stats["redis_throttle/fallback/local"] > 0
 
@@ -103,7 +101,7 @@ async def test_wait_policy_sends_nothing_new_during_the_fault(lab: Lab, site: De
     check_run(run)
     reserved_until = run.injected + MAX_RESERVE + ARRIVAL_JITTER
     assert [a for a in run.arrivals if reserved_until < a.wall_time < run.recovered] == []
-    assert_paced([a.time for a in run.arrivals], rate=RATE, burst=1, what=A, extra=1)
+    assert_released_paced(run.stats, run.arrivals, RATE, 1, A, extra=1)
 
 
 def test_two_workers_share_the_limit_through_an_outage(site: DemoSite) -> None:
@@ -139,7 +137,7 @@ def test_two_workers_share_the_limit_through_an_outage(site: DemoSite) -> None:
     during = [a.time for a in arrivals if killed <= a.time < restarted]
     assert len(during) >= 2 * rate, "the workers did not keep crawling during the outage"
     # Both workers' local buckets start fresh after a switch: one token each.
-    assert_paced([a.time for a in arrivals], rate=rate, burst=1, what=A, extra=2)
+    assert_released_paced(all_stats, arrivals, rate, 1, A, extra=2)
 
 
 @async_test
@@ -160,15 +158,9 @@ async def test_scrapy_redis_queue_is_not_touched_by_a_throttle_outage(
             REDIS_THROTTLE_FALLBACK_WORKERS=1,
         )
         throttle_redis.stop()
-        released: list[float] = []
-
-        def reached() -> None:  # right after the downloader middlewares
-            released.append(time.time())
-
         crawler = await run_crawl(
             settings,
             [{"url": site.url(A, f"/page/{n}")} for n in range(20)],
-            {signals.request_reached_downloader: reached},
             redis_throttle_rates={A: "10/s"},
         )
         with queue_redis.client() as client:
@@ -176,7 +168,4 @@ async def test_scrapy_redis_queue_is_not_touched_by_a_throttle_outage(
     assert crawler.stats.get_value("test/responses") == 20
     assert crawler.stats.get_value("redis_throttle/parked") > 0
     assert sorted(a.path for a in site.arrivals(A)) == sorted(f"/page/{n}" for n in range(20))
-    # Paced as the throttle let them go (a new connection in a busy process delayed an arrival
-    # by up to 0.1 s more), and none arrived before.
-    assert_paced(released, rate=10, burst=1, what=f"{A}, as released")
-    assert_never_early([a.wall_time for a in site.arrivals(A)], released, A)
+    assert_released_paced(crawler.stats.get_stats(), site.arrivals(A), 10, 1, A)

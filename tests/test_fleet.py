@@ -4,18 +4,22 @@ scrapy-redis's own, or a Sentinel-managed primary, or a Redis Cluster."""
 
 from __future__ import annotations
 
-import re
+import json
+import os
 import signal
 import subprocess
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from demo_site import HOSTS, DemoSite
 from local_redis import RedisServer
 from redis_topologies import Topology, throttle_settings
+from releases import EXTENSION as RELEASES_EXTENSION
+from releases import read_dir as read_releases
 from run_demo import (
     Run,
     busiest_window,
@@ -24,7 +28,14 @@ from run_demo import (
     start_workers,
     stop_workers,
 )
-from support import ARRIVAL_JITTER, achieved_rate, assert_paced, wait_until
+from support import (
+    ARRIVAL_JITTER,
+    achieved_rate,
+    assert_released_paced,
+    missed_moments,
+    released,
+    wait_until,
+)
 
 from scrapy_redis_throttle import Limit
 from scrapy_redis_throttle.config import DEFAULT_MAX_HOLD
@@ -36,14 +47,11 @@ WORKERS = 3
 LIMITS = configured_limits()
 # About 14 s of crawling for every domain at its limit.
 PAGES = {"127.0.0.2": 55, "127.0.0.3": 25, "127.0.0.4": 6}
-# Arrival times at the server may be squeezed by uneven latency: one request of tolerance.
-TOLERANCE = 1
 # A killed worker's reservations are not given back (docs, "Known limitations"): it held
 # requests for at most this long ahead (parked ones come back RELEASE_AHEAD early, and wait in
 # the middleware up to MAX_HOLD), so its domains may idle that long after the kill.
 LOST_RESERVATIONS = DEFAULT_MAX_HOLD + RELEASE_AHEAD
-
-MISSED = re.compile(r"'redis_throttle/missed_moments': (\d+)")
+TESTS = str(Path(__file__).resolve().parent)
 
 
 @dataclass
@@ -72,15 +80,9 @@ class Fleet:
         finally:
             stop_workers(self.workers)
 
-    def missed_moments(self) -> int:
-        """The moments the stopped workers missed, busy (each asked anew: its slot of the
-        budget went unused), from the stats each dumped at its close."""
-        assert self.stopped
-        return sum(
-            int(count)
-            for log in self.logs.glob("*.log")
-            for count in MISSED.findall(log.read_text())
-        )
+    def releases(self) -> list[dict[str, Any]]:
+        """What the workers' throttles did (see :mod:`releases`), as stats."""
+        return read_releases(self.logs)
 
 
 def limit_of(host: str) -> Limit:
@@ -91,13 +93,20 @@ def limit_of(host: str) -> Limit:
 
 @pytest.fixture
 def fleet_run(
-    redis_server: RedisServer, throttle_redis: Topology, tmp_path: Path
+    redis_server: RedisServer,
+    throttle_redis: Topology,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[Fleet]:
     """Starts the site and the fleet; stops both, whatever the test did."""
     settings = throttle_settings(throttle_redis)
+    # The workers report what their throttles did (tests/releases.py).
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
+    reporting = {"EXTENSIONS": json.dumps(RELEASES_EXTENSION), "RELEASES_DIR": str(tmp_path)}
     with DemoSite(HOSTS, pages=PAGES) as site:
         reset_redis(redis_server.url, site)
-        workers = start_workers(Run("fleet", settings), WORKERS, redis_server.url, tmp_path)
+        run = Run("fleet", {**settings, **reporting})
+        workers = start_workers(run, WORKERS, redis_server.url, tmp_path)
         fleet = Fleet(site, workers, throttle_redis, tmp_path, redis_server if settings else None)
         try:
             yield fleet
@@ -122,23 +131,25 @@ def test_fleet_shares_each_domain_budget_and_fetches_every_page_once(
     )
     assert all(w.poll() is None for w in workers), "every worker still runs"
     fleet_run.stop()
-    # A slot a busy worker missed (by over waiting.MISSED_AFTER) is lost to the budget, for
-    # politeness: counted, and only those, for each domain (the stat is the worker's).
-    missed = fleet_run.missed_moments()
+    releases = fleet_run.releases()
 
     for host in HOSTS:
         limit = limit_of(host)
-        paths = Counter(a.path for a in site.arrivals(host))
+        arrivals = site.arrivals(host)
+        paths = Counter(a.path for a in arrivals)
         assert set(paths) == expected[host], f"{host}: pages not fetched or not on the site"
         assert [p for p, n in paths.items() if n > 1] == [], f"{host}: pages fetched twice"
-        times = [a.time for a in site.arrivals(host)]
-        assert_paced(times, limit.rate, limit.burst, what=host, jitter=0, extra=TOLERANCE)
+        assert_released_paced(releases, arrivals, limit.rate, limit.burst, host)
+        went = released(releases, host)
         for quota in limit.quotas:
-            # Exact in Redis's clock; the site's clock sees each window short of the jitter.
+            # Exact in Redis's clock; a request leaves up to the jitter after its moment.
             window = quota.period - ARRIVAL_JITTER
-            most = busiest_window(times, window)
+            most = busiest_window(went, window)
             assert most <= quota.count, f"{host}: {most} in {window:g} s, limit {limit}"
-        achieved = achieved_rate(times, limit.burst, missed)
+        # A slot a busy worker missed (by over waiting.MISSED_AFTER) is lost to the budget, for
+        # politeness: counted, and only those.
+        missed = missed_moments(releases, host)
+        achieved = achieved_rate([a.time for a in arrivals], limit.burst, missed)
         rate = limit.sustained_rate
         assert achieved >= 0.9 * rate, (
             f"{host}: {achieved:.2f}/s with {missed} missed moments, limit {limit}"
@@ -165,10 +176,13 @@ def test_a_killed_worker_does_not_stop_the_others_from_keeping_the_limit(
     assert workers[0].returncode == -signal.SIGKILL
     assert all(w.poll() is None for w in workers[1:]), "the other workers still run"
 
+    # The killed worker's releases are those it wrote before the kill.
+    releases = fleet_run.releases()
     for each in HOSTS:
         each_limit = limit_of(each)
-        times = [a.time for a in site.arrivals(each)]
-        assert_paced(times, each_limit.rate, each_limit.burst, what=each, jitter=0, extra=TOLERANCE)
+        assert_released_paced(
+            releases, site.arrivals(each), each_limit.rate, each_limit.burst, each
+        )
     after = [a.time for a in site.arrivals(host) if a.time > resumed_at]
     achieved = (len(after) - 1) / (max(after) - min(after))
     assert achieved >= 0.9 * limit.rate, f"after the kill: {achieved:.2f}/s, limit {limit}"

@@ -33,7 +33,7 @@ from scrapy.statscollectors import MemoryStatsCollector
 from scrapy.utils.test import get_crawler
 from support import (
     SCRAPY_REDIS,
-    assert_paced,
+    assert_released_paced,
     async_test,
     crawl_settings,
     pages,
@@ -174,7 +174,7 @@ async def test_hostile_retry_after_headers_pause_only_their_domain(
             pages(site, A, len(hostile)) + pages(site, B, 10),
             redis_throttle_rates={A: "10/s", B: "5/s"},
         )
-        a_arrivals, b_times = site.arrivals(A), [a.time for a in site.arrivals(B)]
+        a_arrivals, b_arrivals = site.arrivals(A), site.arrivals(B)
     stats = crawler.stats.get_stats()
     no_redis_failure(stats)
     assert Counter(a.path for a in a_arrivals if a.status == 200) == {
@@ -182,8 +182,8 @@ async def test_hostile_retry_after_headers_pause_only_their_domain(
     }, "every page of A, once each, after its 429"
     assert stats["redis_throttle/penalties/429"] == len(hostile)
     assert stats["redis_throttle/rejected/retry_after"] == 2, "'²' and 'soon'"
-    assert_paced(b_times, rate=5, burst=1, what="B")
-    assert len(b_times) == 10
+    assert_released_paced(stats, b_arrivals, 5, 1, B)
+    assert len(b_arrivals) == 10
     warnings = [r.getMessage() for r in caplog.records if "Retry-After" in r.getMessage()]
     assert len(warnings) == 1, f"logged once for A: {warnings}"
     assert "'²'" in warnings[0], warnings
@@ -219,7 +219,8 @@ async def test_hostile_crawl_delays_affect_only_their_host(redis_server: RedisSe
         paths = Counter(a.path for a in arrivals[host] if a.path != "/robots.txt")
         assert paths == {f"/page/{n}": 1 for n in range(5)}, f"{host}: every page, once"
     for host in (B, C):
-        assert_paced([a.time for a in arrivals[host]], rate=5, burst=1, what=host)
+        pages_only = [a for a in arrivals[host] if a.path != "/robots.txt"]
+        assert_released_paced(stats, pages_only, 5, 1, host)
     assert stats["redis_throttle/crawl_delay/applied"] == 2, "A's and B's, as MIN_CRAWL_DELAY"
 
 
@@ -259,7 +260,7 @@ async def test_the_pauses_listener_survives_any_error_and_caps_what_it_hears(
                 publisher.publish("ch", message)
             await wait_until_async(lambda: pauses.paused_for("b.example") > 0, "the third pause")
     finally:
-        pauses.stop()
+        await pauses.stop()
         await close(client)
     assert stats.get_value("redis_throttle/listener_errors/RuntimeError") == 2
     assert pauses.paused_for("a.example") > 0, "kept, though not passed on"
@@ -302,7 +303,7 @@ async def test_the_pauses_listener_backs_off_while_a_bug_fails_it_at_once(
         assert listener is not None
         assert not listener.done(), "still listening"
     finally:
-        pauses.stop()
+        await pauses.stop()
         await close(client)
     assert waits == [1, 2, 4, 8, 16, *[MAX_RESUBSCRIBE_DELAY] * 3]
     assert stats.get_value("redis_throttle/listener_errors/RuntimeError") == 8
@@ -1130,9 +1131,8 @@ async def test_a_request_that_cannot_be_json_waits_in_the_downloader(
         redis_throttle_rates={A: "4/s"},
     )
     stats = crawler.stats.get_stats()
-    arrivals = [a.time for a in site.arrivals(A)]
-    assert (len(arrivals), stats.get("test/responses")) == (3, 3)
-    assert_paced(arrivals, rate=4, burst=1, what=A)
+    assert (len(site.arrivals(A)), stats.get("test/responses")) == (3, 3)
+    assert_released_paced(stats, site.arrivals(A), 4, 1, A)
     assert stats["redis_throttle/unparkable"] == 2, "the first went at once"
     assert "redis_throttle/parked" not in stats
     no_redis_failure(stats)

@@ -21,7 +21,6 @@ from scrapy.crawler import CrawlerRunner
 from scrapy.exceptions import IgnoreRequest
 from scrapy.statscollectors import MemoryStatsCollector
 from scrapy.utils.defer import maybe_deferred_to_future
-from scrapy.utils.httpobj import urlparse_cached
 from scrapy.utils.test import get_crawler
 from scrapy_redis.scheduler import Scheduler as ScrapyRedisScheduler
 from spiders import UrlListSpider
@@ -30,10 +29,12 @@ from support import (
     achieved_rate,
     assert_never_early,
     assert_paced,
+    assert_released_paced,
     async_test,
     crawl_settings,
     parked_member,
     redis_now_us,
+    released,
     run_crawl,
     wait_until_async,
 )
@@ -90,19 +91,12 @@ async def test_a_slow_domain_does_not_starve_the_others(
     redis_server: RedisServer, site: DemoSite, scheduler: str
 ) -> None:
     """The measured scenario: 4 concurrent requests, one domain at one request per 3 s."""
-    released: list[float] = []
-
-    def reached(request: Request) -> None:  # right after the downloader middlewares
-        if urlparse_cached(request).hostname == SLOW:
-            released.append(time.time())
-
     crawler = await run_crawl(
         crawl_settings(
             redis_server.url, CONCURRENT_REQUESTS=4, REDIS_THROTTLE_DEFAULT_RATE=None,
             **SCHEDULERS[scheduler],
         ),
         requests(site, SLOW, 4) + requests(site, FREE, 40),
-        {signals.request_reached_downloader: reached},
         redis_throttle_rates={SLOW: "1/3s"},
     )  # fmt: skip
 
@@ -115,12 +109,9 @@ async def test_a_slow_domain_does_not_starve_the_others(
         paths = Counter(a.path for a in site.arrivals(host))
         assert sorted(paths) == sorted(f"/page/{n}" for n in range(count)), f"{host}: lost"
         assert max(paths.values()) == 1, f"{host}: fetched twice"
-    # Paced as the throttle let them go: the first one's new connection, in a process busy
-    # with the free domain, delayed its arrival more (up to 0.1 s seen).
-    assert_paced(released, rate=1 / 3, burst=1, what=f"{SLOW}, as released")
-    assert_never_early([a.wall_time for a in site.arrivals(SLOW)], released, SLOW)
-    assert achieved_rate(slow, burst=1) >= 0.9 / 3
     stats = crawler.stats.get_stats()
+    assert_released_paced(stats, site.arrivals(SLOW), 1 / 3, 1, SLOW)
+    assert achieved_rate(slow, burst=1) >= 0.9 / 3
     assert stats["redis_throttle/park_requests"] == 3
     assert stats["redis_throttle/parked"] == 3
     assert stats["redis_throttle/requests"] == 4
@@ -178,7 +169,8 @@ async def test_redis_parked_requests_survive_the_close_for_the_next_run(
     assert sorted(a.path for a in site.arrivals(SLOW)) == [f"/page/{n}" for n in range(3)]
     assert crawler.stats.get_value("redis_throttle/requests") == 2
     assert crawler.stats.get_value("redis_throttle/missed_moments") == 2
-    assert_paced([a.time for a in site.arrivals(SLOW)][1:], rate=2, burst=1, what=SLOW)
+    # The first page went in the first run.
+    assert_released_paced(crawler.stats.get_stats(), site.arrivals(SLOW)[1:], 2, 1, SLOW)
     with redis_server.client() as client:
         assert client.keys("*:parked*") == [], "neither requests nor their moments are left"
 
@@ -325,7 +317,7 @@ async def test_a_request_whose_park_failed_waits_in_the_downloader_not_parked_ag
     assert "WRONGTYPE" in looks[0]
     assert "redis_throttle/parked" not in stats
     assert sorted(a.path for a in site.arrivals(SLOW)) == [f"/page/{n}" for n in range(3)]
-    assert_paced([a.time for a in site.arrivals(SLOW)], rate=0.5, burst=1, what=SLOW)
+    assert_released_paced(stats, site.arrivals(SLOW), 0.5, 1, SLOW)
 
 
 def test_a_voiding_brings_back_the_requests_parked_in_redis_with_moments_it_voids(
@@ -568,7 +560,10 @@ async def test_a_limit_raised_live_brings_parked_requests_back_at_once(
         raise
     await maybe_deferred_to_future(crawl)
     assert stats.get_value("redis_throttle/paused_reservations") == 5
-    assert_paced([a.time for a in site.arrivals(SLOW)][1:], rate=20, burst=1, what=SLOW)
+    # The first went at 1/10s, the others at 20/s.
+    went = released(stats.get_stats(), SLOW)
+    assert_paced(went[1:], rate=20, burst=1, what=f"{SLOW}, as released")
+    assert_never_early([a.wall_time for a in site.arrivals(SLOW)], went, SLOW)
 
 
 @async_test

@@ -8,22 +8,29 @@ import time
 from collections import Counter
 
 import pytest
-from demo_site import HOSTS, DemoSite
+from demo_site import HOSTS, Arrival, DemoSite
 from local_redis import RedisServer
 from scrapy import signals
 from spiders import RedisUrlSpider
-from support import SCRAPY_REDIS, assert_paced, async_test, crawl_settings, pages, run_crawl
+from support import (
+    SCRAPY_REDIS,
+    assert_released_paced,
+    async_test,
+    crawl_settings,
+    pages,
+    run_crawl,
+)
 
 SLOW, FREE, _ = HOSTS
 RATES = {SLOW: "2/s"}  # each request after the first waits more than REDIS_THROTTLE_MAX_HOLD
 SETTINGS = {**SCRAPY_REDIS, "REDIS_THROTTLE_MAX_HOLD": 0.2, "REDIS_THROTTLE_DEFAULT_RATE": None}
 
 
-def crawled_once(site: DemoSite, host: str, count: int) -> list[float]:
-    """The arrival times of *host*'s pages 0 to count - 1, each fetched exactly once."""
+def crawled_once(site: DemoSite, host: str, count: int) -> list[Arrival]:
+    """The arrivals of *host*'s pages 0 to count - 1, each fetched exactly once."""
     paths = Counter(a.path for a in site.arrivals(host))
     assert paths == {f"/page/{n}": 1 for n in range(count)}, f"{host}: {paths}"
-    return sorted(a.time for a in site.arrivals(host))
+    return site.arrivals(host)
 
 
 @async_test
@@ -65,9 +72,11 @@ async def test_parked_requests_wait_beside_a_queue_key_of_the_projects_own(
         {signals.response_received: look},
         redis_throttle_rates=RATES,
     )
-    assert crawler.stats.get_value("redis_throttle/parked") == 2
+    stats = crawler.stats.get_stats()
+    # Two, and again each one whose worker was too busy to send it at its moment.
+    assert 2 <= stats["redis_throttle/parked"] <= 2 + stats.get("redis_throttle/missed_moments", 0)
     assert parked_keys >= {b"shop:url_list:todo:parked"}, parked_keys
-    assert_paced(crawled_once(site, SLOW, 3), rate=2, burst=1, what=SLOW)
+    assert_released_paced(stats, crawled_once(site, SLOW, 3), 2, 1, SLOW)
     crawled_once(site, FREE, 10)
 
 
@@ -95,7 +104,7 @@ async def test_parked_requests_come_back_past_scrapy_redis_dupefilter(
     assert stats["redis_throttle/parked"] == 2
     filtered = [r.getMessage() for r in caplog.records if "Filtered duplicate" in r.getMessage()]
     assert filtered == [f"Filtered duplicate request: <GET {requests[1]['url']}>"]
-    assert_paced(crawled_once(site, SLOW, 3), rate=2, burst=1, what=SLOW)
+    assert_released_paced(stats, crawled_once(site, SLOW, 3), 2, 1, SLOW)
     with redis_server.client() as client:
         assert client.scard("shop:url_list:seen") == 3
 
@@ -122,7 +131,7 @@ async def test_parked_requests_come_back_with_a_blocking_fifo_queue(
     stats = crawler.stats.get_stats()
     assert stats["redis_throttle/parked"] == 3
     assert "redis_throttle/missed_moments" not in stats
-    assert_paced(crawled_once(site, SLOW, 4), rate=2, burst=1, what=SLOW)
+    assert_released_paced(stats, crawled_once(site, SLOW, 4), 2, 1, SLOW)
     crawled_once(site, FREE, 10)
     # 1.5 s for the slow domain, and at most one blocking pop of 1 s once none is parked.
     assert took < 1.5 + 1 + 2, f"the crawl took {took:.1f} s"
@@ -150,6 +159,7 @@ async def test_a_redis_spider_fed_from_redis_keeps_its_parked_requests(
         redis_throttle_rates=RATES,
     )
     assert crawler.stats.get_value("test/responses") == 8
-    assert crawler.stats.get_value("redis_throttle/parked") >= 1
-    assert_paced(crawled_once(site, SLOW, 4), rate=2, burst=1, what=SLOW)
+    stats = crawler.stats.get_stats()
+    assert stats["redis_throttle/parked"] >= 1
+    assert_released_paced(stats, crawled_once(site, SLOW, 4), 2, 1, SLOW)
     crawled_once(site, FREE, 4)

@@ -11,7 +11,7 @@ from local_redis import RedisServer
 from redis_topologies import SERVICE, UNUSED_URL, SentinelSetup
 from support import (
     SCRAPY_REDIS,
-    assert_paced,
+    assert_released_paced,
     crawl_settings,
     crawl_through_failover,
     finish_crawl_workers,
@@ -40,9 +40,9 @@ def test_a_fleet_through_sentinel_keeps_the_limit(sentinel_setup: SentinelSetup)
         jobs = one_domain_jobs(site, A, crawl_through(sentinel_setup), {A: "5/s"}, 2, 15)
         workers = start_crawl_workers(sentinel_setup.primary.url, jobs)  # (the start barrier)
         all_stats = finish_crawl_workers(workers, 120)
-        times = [arrival.time for arrival in site.arrivals(A)]
-    assert len(times) == 30
-    assert_paced(times, rate=5, burst=1, what=A)
+        arrivals = site.arrivals(A)
+    assert len(arrivals) == 30
+    assert_released_paced(all_stats, arrivals, 5, 1, A)
     for stats in all_stats:
         assert not [name for name in stats if "errors" in name or "fallback" in name]
     with sentinel_setup.primary.client() as client:

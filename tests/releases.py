@@ -1,0 +1,112 @@
+"""A Scrapy extension for the tests: when each request left the throttle for the download, and
+the moments the throttle missed, per domain. Every test crawl has it (``spiders.BASE_SETTINGS``
+and ``crawl_worker.py``); a fleet of ``scrapy crawl shop`` processes takes it with
+``-s EXTENSIONS=...`` and ``-s RELEASES_DIR=<path>``.
+
+Tests judge pacing by these release times, not by when the site saw the requests: Scrapy's
+``request_reached_downloader`` comes right after the downloader middlewares, while a request's
+arrival at the site comes later by the time its connection takes, which is the machine's
+latency, not the throttle's (a new connection took up to 95 ms in a busy process). The site's
+arrivals are still checked: none may come before its release (``support.assert_released``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import Counter, defaultdict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from scrapy import Request, signals
+from scrapy.utils.httpobj import urlparse_cached
+
+from scrapy_redis_throttle import waiting
+
+if TYPE_CHECKING:
+    from scrapy.crawler import Crawler
+
+# Stats: {host: [wall times]} and {domain: count}.
+RELEASED = "test/released"
+MISSED = "test/missed"
+EXTENSION = {f"{__name__}.Releases": 0}
+MISSED_MESSAGE = "Redis throttle: a request missed its moment"
+
+
+class Releases(logging.Handler):
+    """Keeps them in the crawl's stats, and with the setting ``RELEASES_DIR`` writes them
+    there too as they come (a line each: a killed worker leaves what it did), for a crawl
+    whose stats the test cannot read (``scrapy crawl``; see :func:`read_dir`)."""
+
+    # Its methods' names are public: logging.Handler has private attributes (_closed...).
+    def __init__(self, crawler: Crawler) -> None:
+        super().__init__(logging.DEBUG)
+        self._crawler = crawler
+        self.released: defaultdict[str, list[float]] = defaultdict(list)
+        self.missed: Counter[str] = Counter()
+        directory = crawler.settings.get("RELEASES_DIR")
+        self._log = (
+            (Path(directory) / f"releases-{os.getpid()}.jsonl").open("a", buffering=1)
+            if directory
+            else None
+        )
+        crawler.signals.connect(self.request_reached, signal=signals.request_reached_downloader)
+        crawler.signals.connect(self.spider_opened, signal=signals.spider_opened)
+        crawler.signals.connect(self.spider_closed, signal=signals.spider_closed)
+
+    @classmethod
+    def from_crawler(cls, crawler: Crawler) -> Releases:
+        return cls(crawler)
+
+    def request_reached(self, request: Request) -> None:
+        url = urlparse_cached(request)
+        if url.path != "/robots.txt":  # Scrapy's, not the crawl's (tests judge pages)
+            self._add(RELEASED, url.hostname or "", time.time())
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if str(record.msg).startswith(MISSED_MESSAGE) and isinstance(record.args, Mapping):
+            self._add(MISSED, str(record.args["domain"]))
+
+    def _add(self, kind: str, domain: str, at: float = 0.0) -> None:
+        if kind == RELEASED:
+            self.released[domain].append(at)
+        else:
+            self.missed[domain] += 1
+        if self._log is not None:
+            self._log.write(json.dumps([kind, domain, at]) + "\n")
+
+    def spider_opened(self) -> None:
+        logger = logging.getLogger(waiting.__name__)
+        logger.setLevel(logging.DEBUG)  # the missed moments are debug records
+        logger.addHandler(self)
+
+    def spider_closed(self) -> None:
+        logger = logging.getLogger(waiting.__name__)
+        logger.removeHandler(self)
+        if not any(isinstance(handler, Releases) for handler in logger.handlers):
+            logger.setLevel(logging.NOTSET)
+        stats = self._crawler.stats
+        assert stats is not None
+        stats.set_value(RELEASED, dict(self.released))
+        stats.set_value(MISSED, dict(self.missed))
+        if self._log is not None:
+            self._log.close()
+
+
+def read_dir(directory: Path) -> list[dict[str, Any]]:
+    """What the crawls with ``RELEASES_DIR`` = *directory* wrote, as stats (one per process)."""
+    every = []
+    for path in sorted(directory.glob("releases-*.jsonl")):
+        released: defaultdict[str, list[float]] = defaultdict(list)
+        missed: Counter[str] = Counter()
+        for line in path.read_text().splitlines():
+            kind, domain, at = json.loads(line)
+            if kind == RELEASED:
+                released[domain].append(at)
+            else:
+                missed[domain] += 1
+        every.append({RELEASED: dict(released), MISSED: dict(missed)})
+    return every
