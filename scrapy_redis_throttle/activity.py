@@ -41,6 +41,7 @@ from .config import STATS_PREFIX
 from .redis_schema import fleet_key, parked_counts_key, report_key
 from .resilience import sleep
 from .scripts import lua_script
+from .tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Iterator
@@ -164,7 +165,7 @@ class Activity:
     async def stop(self) -> None:
         if self._reporter is None:
             return
-        self._reporter.cancel()
+        await cancel_and_wait(self._reporter, "the activity reports")
         await self._call(self._fleet_script([self._fleet_key], [self._worker, 0]))
         if self._interval:
             await self._send_parked()

@@ -30,6 +30,7 @@ from scrapy_redis.queue import FifoQueue, LifoQueue, PriorityQueue
 from .config import STATS_PREFIX
 from .redis_schema import leases_key, lessees_key
 from .scripts import load_script, lua_script
+from .tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -52,18 +53,6 @@ RECOVERY_LOOKS = 3
 ACK_BATCH = 1000
 DEAD_BATCH = 8
 QUEUE_KINDS = {FifoQueue: "fifo", LifoQueue: "lifo", PriorityQueue: "priority"}
-
-
-async def cancel_and_wait(task: asyncio.Task[Any]) -> None:
-    """Cancel *task* and wait for its end, cancelling it again until it ends: before Python
-    3.12 a cancellation can be lost. ``asyncio.wait_for`` returns its inner result when the
-    cancel comes just as that finishes (redis-py's ``send_packed_command`` runs in one when
-    ``socket_timeout`` is set), and a loop that catches ``RedisError`` then goes on."""
-    while not task.done():
-        task.cancel()
-        await asyncio.wait([task], timeout=0.1)
-    if not task.cancelled():
-        task.exception()  # retrieved: it ends as it may
 
 
 def queue_kind(queue: object) -> str | None:
@@ -237,7 +226,7 @@ class Leases:
         """At the spider's close: acknowledge what is done and give back what is not (to be
         crawled by the next run when *keep*; else dropped with the queue)."""
         if self._task is not None:
-            await cancel_and_wait(self._task)
+            await cancel_and_wait(self._task, "the lease renewal")
         try:
             await self._flush()
             if keep:

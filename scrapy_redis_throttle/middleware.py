@@ -152,7 +152,7 @@ class RedisThrottleMiddleware:
             )
 
     async def _spider_closed(self, spider: Spider) -> None:
-        self.pauses.stop()
+        await self.pauses.stop()
         await self.activity.stop()
         await self.budget.aclose()
         await close(self.redis)

@@ -35,6 +35,7 @@ from twisted.internet.task import deferLater
 from .config import STATS_PREFIX
 from .connection import pubsub
 from .resilience import sleep
+from .tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -155,10 +156,9 @@ class Pauses:
         with suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._subscribed.wait(), FIRST_SUBSCRIPTION_WAIT)
 
-    def stop(self) -> None:
-        # Not awaited, so that the spider's close does not wait for it (as the breaker's probe).
+    async def stop(self) -> None:
         if self._listener is not None:
-            self._listener.cancel()
+            await cancel_and_wait(self._listener, "the pauses' listener")
 
     def pause(self, domain: str, seconds: float, age: float = 0.0) -> None:
         """Moments of *domain* within the next *seconds* that were reserved before now (or

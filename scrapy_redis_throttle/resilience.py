@@ -43,6 +43,7 @@ from .config import FALLBACK_LOCAL, FALLBACK_OPEN, STATS_PREFIX
 from .connection import ping
 from .rejections import Rejections
 from .seals import Seals
+from .tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -526,9 +527,7 @@ class ResilientBucket:
     async def aclose(self) -> None:
         """Stop probing, disconnect; count an outage still under way in the stats."""
         if self._prober is not None:
-            # Not awaited: awaiting the cancelled probe task hung the spider's close (seen in
-            # tests/test_security.py, with the probe failing every 0.1 s).
-            self._prober.cancel()
+            await cancel_and_wait(self._prober, "the probe of Redis")
         outage = self.breaker.open_for()
         if outage is not None:
             self._add_fallback_time(outage)

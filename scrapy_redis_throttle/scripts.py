@@ -26,6 +26,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from .connection import ClusterClient
 from .rates import MAX_LIMITS, MAX_SLIDING_COUNT
 from .redis_schema import EPOCH
+from .tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -215,7 +216,7 @@ class LuaScript(_Source):
     async def aclose(self) -> None:
         """Stop sending (calls still waiting are cancelled) and disconnect."""
         if self._sender is not None:
-            self._sender.cancel()
+            await cancel_and_wait(self._sender, "the sending of script calls")
             self._sender = None
         # A sender cancelled before it ran never runs its clean-up: the queue is cleared here.
         for _, _, reply in self._queue:
