@@ -160,7 +160,9 @@ class DemoSite:
     *errors* gives, for some ``(host, path)``, the ``(status, headers)`` answers to the first
     requests for it, in turn (e.g. a 429 with ``Retry-After``); later requests get the page.
     *overload* gives, for some hosts, ``(requests, retry_after)``: a request that comes after
-    that many in the last second gets a 429 with ``Retry-After: retry_after``. *stalls* gives,
+    that many in the last second gets a 429 with ``Retry-After: retry_after``; for the host
+    ``"*"``, after that many to any of the hosts (a server that limits them together, as one
+    registrable domain's). *stalls* gives,
     for some ``(host, path)``, the seconds the first request for it waits for its answer (a
     download timeout for a client that waits less).
     """
@@ -244,10 +246,11 @@ class DemoSite:
             answers = self._errors.get((host, path))
             if answers:
                 return answers.pop(0)
-            if host not in self._overload:
+            counted = host if host in self._overload else "*"
+            if counted not in self._overload:
                 return None
-            most, retry_after = self._overload[host]
-            recent = sum(a.host == host and a.time > arrived - 1 for a in self._arrivals)
+            most, retry_after = self._overload[counted]
+            recent = sum(counted in ("*", a.host) and a.time > arrived - 1 for a in self._arrivals)
             return (429, {"Retry-After": str(retry_after)}) if recent >= most else None
 
     def next_stall(self, host: str, path: str) -> float:

@@ -3,7 +3,7 @@
 from .addon import Addon
 from .bucket import AcquireResult, TokenBucket
 from .config import ThrottleConfig
-from .errors import InvalidThrottleMeta, ThrottleConfigError
+from .errors import InvalidThrottleDomain, InvalidThrottleMeta, ThrottleConfigError
 from .middleware import RedisThrottleMiddleware
 from .rates import Limit
 from .scheduler import RedisThrottleScheduler, ThrottleScheduler
@@ -11,6 +11,7 @@ from .scheduler import RedisThrottleScheduler, ThrottleScheduler
 __all__ = [
     "AcquireResult",
     "Addon",
+    "InvalidThrottleDomain",
     "InvalidThrottleMeta",
     "Limit",
     "RedisThrottleMiddleware",

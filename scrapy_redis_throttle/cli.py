@@ -19,7 +19,7 @@ from redis.exceptions import RedisClusterException
 from scrapy.utils.conf import closest_scrapy_cfg
 from scrapy.utils.project import get_project_settings
 
-from .config import SPIDER_ATTRIBUTE, ThrottleConfig
+from .config import SCOPE_ATTRIBUTE, SPIDER_ATTRIBUTE, ThrottleConfig
 from .connection import connect_sync
 from .control import LiveControl
 from .errors import ThrottleConfigError
@@ -33,6 +33,7 @@ from .rates import (
     parse_limit,
 )
 from .redis_schema import ALGORITHM_CODES
+from .scopes import REGISTRABLE_DOMAIN
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -113,7 +114,9 @@ def _parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT,...",
         help="REDIS_THROTTLE_CLUSTER_NODES: the fleet's Redis is the cluster of these nodes",
     )
-    parser.add_argument("--spider", help=f"also read this spider's {SPIDER_ATTRIBUTE}")
+    parser.add_argument(
+        "--spider", help=f"also read this spider's {SPIDER_ATTRIBUTE} and {SCOPE_ATTRIBUTE}"
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     set_command = commands.add_parser(
         "set", help="set a domain's limit for every worker, at its next request"
@@ -180,17 +183,19 @@ def _config(args: argparse.Namespace) -> ThrottleConfig:
         settings.set("REDIS_THROTTLE_CLUSTER_NODES", args.cluster_nodes, priority="cmdline")
     # The tool works on the fleet's Redis even where these settings turn the throttle off.
     settings.set("REDIS_THROTTLE_ENABLED", True, priority="cmdline")
-    spider_rates = None
+    spider = None
     if args.spider:
         from scrapy.spiderloader import get_spider_loader
 
         try:
-            spider_rates = getattr(
-                get_spider_loader(settings).load(args.spider), SPIDER_ATTRIBUTE, None
-            )
+            spider = get_spider_loader(settings).load(args.spider)
         except KeyError as exc:
             raise ThrottleConfigError(f"--spider: no spider named {args.spider!r}") from exc
-    return ThrottleConfig.from_settings(settings, spider_rates=spider_rates)
+    return ThrottleConfig.from_settings(
+        settings,
+        spider_rates=getattr(spider, SPIDER_ATTRIBUTE, None),
+        spider_scope=getattr(spider, SCOPE_ATTRIBUTE, None),
+    )
 
 
 def _live_limit(
@@ -261,7 +266,8 @@ def _table(
     rows = [header]
     for state in states:
         went, waiting = activity.get(state.domain, (0, 0))
-        code = config.limits.lookup(state.domain) if in_project else None
+        itself = config.scope.name == REGISTRABLE_DOMAIN
+        code = config.limits.lookup(state.domain, itself) if in_project else None
         limit = _effective(state, code)
         tokens = (
             "?" if limit is None else f"{max(0.0, limit.burst - state.full_in * limit.rate):.1f}"

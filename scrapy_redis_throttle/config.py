@@ -26,6 +26,7 @@ from .redis_settings import (
     read_sentinel,
     redact_url,
 )
+from .scopes import HOST, Scope, parse_scope
 from .setting_values import (
     get_dict,
     get_flag,
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from scrapy.settings import BaseSettings
 
 SPIDER_ATTRIBUTE = "redis_throttle_rates"
+SCOPE_ATTRIBUTE = "redis_throttle_scope"
 
 DEFAULT_RATE = "1/s"
 DEFAULT_BURST = 1
@@ -143,6 +145,8 @@ def _queue_redis(settings: BaseSettings) -> tuple[str, Mapping[str, Any]] | Thro
 @dataclass(frozen=True)
 class ThrottleConfig:
     limits: LimitTable
+    scope: Scope
+    """What a limit is kept per (see :mod:`.scopes`)."""
     redis_url: str
     redis_params: Mapping[str, Any]
     sentinel: Sentinel | None
@@ -188,15 +192,21 @@ class ThrottleConfig:
 
     @classmethod
     def from_crawler(cls, crawler: Crawler) -> ThrottleConfig:
-        """Read the crawler's settings and its spider's ``redis_throttle_rates`` attribute.
+        """Read the crawler's settings and its spider's ``redis_throttle_rates`` and
+        ``redis_throttle_scope`` attributes.
 
         Raises :exc:`~scrapy.exceptions.NotConfigured` when ``REDIS_THROTTLE_ENABLED`` is off.
         """
-        rates = getattr(crawler.spider, SPIDER_ATTRIBUTE, None)
-        return cls.from_settings(crawler.settings, spider_rates=rates)
+        return cls.from_settings(
+            crawler.settings,
+            spider_rates=getattr(crawler.spider, SPIDER_ATTRIBUTE, None),
+            spider_scope=getattr(crawler.spider, SCOPE_ATTRIBUTE, None),
+        )
 
     @classmethod
-    def from_settings(cls, settings: BaseSettings, spider_rates: object = None) -> ThrottleConfig:
+    def from_settings(
+        cls, settings: BaseSettings, spider_rates: object = None, spider_scope: object = None
+    ) -> ThrottleConfig:
         if not get_flag(settings, "REDIS_THROTTLE_ENABLED", default=True):
             raise NotConfigured("REDIS_THROTTLE_ENABLED is False")
 
@@ -268,6 +278,13 @@ class ThrottleConfig:
                 settings, "REDIS_THROTTLE_MAX_CRAWL_DELAY", DEFAULT_MAX_CRAWL_DELAY, minimum=0.001
             ),
             limits=build_table(entries, default, default_burst),
+            scope=(
+                parse_scope(
+                    get_value(settings, "REDIS_THROTTLE_SCOPE", HOST), source="REDIS_THROTTLE_SCOPE"
+                )
+                if spider_scope is None
+                else parse_scope(spider_scope, source=f"spider attribute {SCOPE_ATTRIBUTE}")
+            ),
             redis_url=redis_url,
             redis_params=redis_params,
             sentinel=sentinel,

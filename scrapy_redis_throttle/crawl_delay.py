@@ -85,13 +85,15 @@ class CrawlDelays:
         config: ThrottleConfig,
         rejections: Rejections,
         log_extra: Callable[[], dict[str, Any]],
+        domain_of: Callable[[Request], tuple[str, bool]],
     ) -> None:
         self._crawler = crawler
+        self._domain_of = domain_of
         self._config = config
         self._rejections = rejections
         self._log_extra = log_extra
-        # Host -> its limit, and the netlocs (host:port) whose robots.txt set it, least recently
-        # requested first.
+        # Domain -> its limit, and the netlocs (host:port) whose robots.txt set it, least
+        # recently requested first.
         self._limits: OrderedDict[str, tuple[Limit, frozenset[str]]] = OrderedDict()
         # RobotsTxtMiddleware's robots.txt per netloc (looked for at the first host to forget).
         self._robots: dict[str, object] | None = None
@@ -120,7 +122,8 @@ class CrawlDelays:
 
     def limit(self, domain: str, configured: Limit | None) -> Limit | None:
         """The limit for requests of *domain*: *configured*, or a stricter one from the
-        robots.txt of the host named *domain*."""
+        robots.txt of its host (of its hosts, the strictest, when the domain is a registrable
+        domain: see :mod:`.scopes`)."""
         if not self._limits or (known := self._limits.get(domain)) is None:
             return configured
         self._limits.move_to_end(domain)
@@ -153,21 +156,28 @@ class CrawlDelays:
                 extra=self._log_extra(),
             )
             delay = self._config.max_crawl_delay
-        # Several ports of one host have a robots.txt each: the longest delay counts.
-        limit, netlocs = self._limits.pop(host, (None, frozenset()))
+        try:
+            domain, itself = self._domain_of(request)
+        except ValueError as error:  # the scope's function failed for it
+            self._rejections.reject("crawl_delay", host, str(error), "its configured limit applies")
+            return
+        # Several ports of one host, or hosts of one registrable domain, have a robots.txt each:
+        # the longest delay counts.
+        limit, netlocs = self._limits.pop(domain, (None, frozenset()))
         netlocs |= {urlparse_cached(request).netloc}
         if limit is not None and 1 / limit.rate >= delay:
-            self._keep(host, limit, netlocs)
+            self._keep(domain, limit, netlocs)
             return
-        configured = self._config.limits.lookup(host)
+        configured = self._config.limits.lookup(domain, itself)
         limit = with_crawl_delay(configured, delay)
-        self._keep(host, limit, netlocs)
+        self._keep(domain, limit, netlocs)
         stats.inc_value(f"{STATS_PREFIX}/crawl_delay/applied")
         logger.info(
-            "Redis throttle: honouring the Crawl-delay of %g s in the robots.txt of %r: its "
-            "limit is now %s (configured: %s)",
+            "Redis throttle: honouring the Crawl-delay of %g s in the robots.txt of %r: the "
+            "limit of %r is now %s (configured: %s)",
             delay,
             host,
+            domain,
             limit,
             configured if configured is not None else "unlimited",
             extra=self._log_extra(),

@@ -7,3 +7,8 @@ class ThrottleConfigError(ValueError):
 
 class InvalidThrottleMeta(ValueError):
     """A request's ``redis_throttle_*`` meta value is invalid; that request fails."""
+
+
+class InvalidThrottleDomain(ValueError):
+    """The function of ``REDIS_THROTTLE_SCOPE`` failed for a request, or gave it no domain; that
+    request fails."""

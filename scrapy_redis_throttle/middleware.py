@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from scrapy import exceptions, signals
 from scrapy.utils.asyncio import is_asyncio_available
+from scrapy.utils.httpobj import urlparse_cached
 from twisted.internet.error import TCPTimedOutError
 from twisted.internet.error import TimeoutError as TwistedTimeoutError
 
@@ -23,7 +24,7 @@ from .activity import Activity
 from .config import STATS_PREFIX, ThrottleConfig
 from .connection import close, connect
 from .crawl_delay import CrawlDelays
-from .errors import InvalidThrottleMeta, ThrottleConfigError
+from .errors import InvalidThrottleDomain, InvalidThrottleMeta, ThrottleConfigError
 from .gc_freeze import freeze_startup_objects
 from .parking import TICKET_META, ParkingArea, attach, engine_scheduler
 from .penalties import Pauses, parse_retry_after
@@ -31,6 +32,7 @@ from .rates import format_rate, normalize_domain
 from .redis_schema import penalty_channel
 from .rejections import Rejections
 from .resilience import ResilientBucket
+from .scopes import budget_of, parse_meta_scope
 from .startup import describe_setup, setup_warnings
 from .waiting import SENT_META, Turns
 
@@ -80,7 +82,9 @@ class RedisThrottleMiddleware:
         )
         self.parking: ParkingArea | None = None
         self.rejections = Rejections(crawler.stats, self._log_extra)
-        self.crawl_delays = CrawlDelays(crawler, self.config, self.rejections, self._log_extra)
+        self.crawl_delays = CrawlDelays(
+            crawler, self.config, self.rejections, self._log_extra, self.domain_of
+        )
         self.pauses = Pauses(
             self.redis,
             penalty_channel(self.config.key_prefix),
@@ -172,10 +176,9 @@ class RedisThrottleMiddleware:
         if request.meta.get("dont_redis_throttle"):
             stats.inc_value(f"{STATS_PREFIX}/skipped")
             return None
-        domain = self._domain(request)
+        domain, limit = self._budget(request)
         if ticket is not None:
             self.activity.park(domain, -1)  # back from the parking area
-        limit = self._limit(domain)
         if limit is None:
             stats.inc_value(f"{STATS_PREFIX}/unthrottled")
             return None
@@ -204,32 +207,33 @@ class RedisThrottleMiddleware:
             retry_after = None
         penalty = await self.budget.penalize(domain, limit, retry_after)
         backoff = self.config.backoff
+        source = _source(request, domain)
         if penalty is None:  # Redis is unavailable: this worker pauses alone
             pause = min(backoff.longest, backoff.first if retry_after is None else retry_after)
             self.pauses.pause(domain, pause)
             logger.warning(
-                "Redis throttle: %(status)d from %(domain)r: pausing it for %(pause).1f s in this "
+                "Redis throttle: %(status)d from %(source)s: pausing it for %(pause).1f s in this "
                 "worker only (Redis is unavailable)",
-                {"status": response.status, "domain": domain, "pause": pause},
+                {"status": response.status, "source": source, "pause": pause},
                 extra=self._log_extra(),
             )
             return response
         self.pauses.pause(domain, penalty.pause)
         if not penalty.changed:  # answers to requests sent before the pause
             logger.debug(
-                "Redis throttle: %(status)d from %(domain)r, already paused for %(pause).1f s",
-                {"status": response.status, "domain": domain, "pause": penalty.pause},
+                "Redis throttle: %(status)d from %(source)s, already paused for %(pause).1f s",
+                {"status": response.status, "source": source, "pause": penalty.pause},
                 extra=self._log_extra(),
             )
             return response
         self.stats.inc_value(f"{STATS_PREFIX}/pauses")
         self.stats.max_value(f"{STATS_PREFIX}/pause_max", penalty.pause)
         logger.info(
-            "Redis throttle: %(status)d from %(domain)r (%(why)s): no request to it for "
+            "Redis throttle: %(status)d from %(source)s (%(why)s): no request to it for "
             "%(pause).1f s, from any worker",
             {
                 "status": response.status,
-                "domain": domain,
+                "source": source,
                 "why": f"Retry-After: {retry_after:g} s"
                 if retry_after is not None
                 else f"no Retry-After, penalty {penalty.strikes} in a row",
@@ -238,7 +242,7 @@ class RedisThrottleMiddleware:
             extra=self._log_extra(),
         )
         await self._slow_down(
-            request, domain, limit, f"{response.status} from {domain!r}", penalty.pause
+            request, domain, limit, f"{response.status} from {source}", penalty.pause
         )
         return response
 
@@ -249,7 +253,8 @@ class RedisThrottleMiddleware:
         domain, limit = self._penalized(request)
         if limit is not None:
             self.stats.inc_value(f"{STATS_PREFIX}/adaptive/timeouts")
-            await self._slow_down(request, domain, limit, f"download timeout at {domain!r}")
+            cause = f"download timeout at {_source(request, domain)}"
+            await self._slow_down(request, domain, limit, cause)
 
     def _penalized(self, request: Request) -> tuple[str, Limit | None]:
         """The domain and limit a failure of *request* counts against (no limit: against none,
@@ -257,8 +262,7 @@ class RedisThrottleMiddleware:
         meta = request.meta
         if meta.get("dont_redis_throttle") or meta.get("redis_throttle_penalty", True) is False:
             return "", None
-        domain = self._domain(request)
-        return domain, self._limit(domain)
+        return self._budget(request)
 
     async def _slow_down(
         self, request: Request, domain: str, limit: Limit, cause: str, hold: float = 0
@@ -283,22 +287,45 @@ class RedisThrottleMiddleware:
             extra=self._log_extra(),
         )
 
-    def _limit(self, domain: str) -> Limit | None:
-        """The limit of requests throttled under *domain* ("" for data: and file: URLs: None)."""
+    def _budget(self, request: Request) -> tuple[str, Limit | None]:
+        """The request's domain (see :mod:`.scopes`) and its limit (None: unthrottled; so are
+        data: and file: URLs, whose domain is "")."""
+        domain, itself = self.domain_of(request)
         if not domain:
-            return None
-        return self.crawl_delays.limit(domain, self.config.limits.lookup(domain))
+            return "", None
+        return domain, self.crawl_delays.limit(domain, self.config.limits.lookup(domain, itself))
 
-    def _domain(self, request: Request) -> str:
-        """The request's domain (see :func:`.rates.normalize_domain`)."""
-        domain = request.meta.get("redis_throttle_key")
+    def domain_of(self, request: Request) -> tuple[str, bool]:
+        """The request's domain, and whether it is a registrable domain (see
+        :func:`.scopes.budget_of`). InvalidThrottleMeta or InvalidThrottleDomain for a bad
+        value: that request fails."""
+        meta = request.meta
+        domain: object = meta.get("redis_throttle_key")
+        itself = False
         if domain is None:
-            domain = self.crawler.engine.downloader.get_slot_key(request)
-            if not domain:
-                return ""  # data: and file: URLs
+            slot = self.crawler.engine.downloader.get_slot_key(request)
+            if not slot:
+                return "", False  # data: and file: URLs
+            scope = self.config.scope
+            if "redis_throttle_scope" in meta:
+                try:
+                    scope = parse_meta_scope(meta["redis_throttle_scope"])
+                except ValueError as error:
+                    self._bad_meta(request, str(error))
+            if scope.function is None and slot != urlparse_cached(request).hostname:
+                # meta["download_slot"] of the project's own: not a host (Scrapy's downloader
+                # sets it to the host name too, once it has the request).
+                domain = slot
+            else:
+                try:
+                    domain, itself = budget_of(scope, request, slot)
+                except Exception as error:  # the project's function: that request fails
+                    self._bad_domain(request, f"{scope} failed: {error!r:.200}")
+            if not (isinstance(domain, str) and domain):
+                self._bad_domain(request, f"{scope} gave {domain!r:.200}, not a domain")
         elif not (isinstance(domain, str) and domain):
             self._bad_meta(
-                request, f"redis_throttle_key must be a non-empty string, got {domain!r}"
+                request, f"redis_throttle_key must be a non-empty string, got {domain!r:.200}"
             )
         try:
             normalized = normalize_domain(domain)
@@ -306,7 +333,7 @@ class RedisThrottleMiddleware:
             normalized = ""
         if not normalized:
             self._bad_meta(request, f"throttle key {domain!r:.200} is no name IDNA takes")
-        return normalized
+        return normalized, itself
 
     def _cost(self, request: Request, limit: Limit) -> float:
         cost = request.meta.get("redis_throttle_cost", 1)
@@ -328,3 +355,14 @@ class RedisThrottleMiddleware:
     def _bad_meta(self, request: Request, message: str) -> NoReturn:
         self.stats.inc_value(f"{STATS_PREFIX}/invalid_meta")
         raise InvalidThrottleMeta(f"{message} ({request})")
+
+    def _bad_domain(self, request: Request, message: str) -> NoReturn:
+        self.stats.inc_value(f"{STATS_PREFIX}/invalid_domains")
+        raise InvalidThrottleDomain(f"REDIS_THROTTLE_SCOPE: {message} ({request})")
+
+
+def _source(request: Request, domain: str) -> str:
+    """Where a failure came from, for the log: the domain, with the host that answered when
+    the scope makes them differ ("'www.shop.com' (domain 'shop.com')": it pauses all of it)."""
+    host = urlparse_cached(request).hostname
+    return repr(domain) if not host or host == domain else f"{host!r} (domain {domain!r})"

@@ -306,15 +306,18 @@ class LimitTable:
     wildcards: Mapping[str, Limit | None]  # "cdn.example" for the pattern "*.cdn.example"
     default: Limit | None
 
-    def lookup(self, domain: str) -> Limit | None:
+    def lookup(self, domain: str, itself: bool = False) -> Limit | None:
         """Return the limit for *domain*, ``None`` meaning unthrottled.
 
         Precedence: an exact entry, then the longest matching wildcard (``*.cdn.example``
-        matches ``a.cdn.example`` and ``a.b.cdn.example``, not ``cdn.example``), then the default.
+        matches ``a.cdn.example`` and ``a.b.cdn.example``, not ``cdn.example`` unless *itself*:
+        a registrable domain, whose hosts the wildcard names), then the default.
         """
         domain = domain.lower()
         if domain in self.exact:
             return self.exact[domain]
+        if itself and domain in self.wildcards:
+            return self.wildcards[domain]
         dot = domain.find(".")
         while dot != -1:
             suffix = domain[dot + 1 :]

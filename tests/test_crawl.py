@@ -397,7 +397,7 @@ async def test_the_start_up_says_what_the_set_up_does_and_warns_of_settings_that
     )
     await run_crawl(settings, pages(site, A, 1), redis_throttle_rates={A: {"rate": 5, "burst": 3}})
     messages = [r.getMessage() for r in caplog.records if r.name.startswith("scrapy_redis")]
-    [summary] = [m for m in messages if "one budget per domain shared in" in m]
+    [summary] = [m for m in messages if "one budget per domain (a domain: each host, " in m]
     assert "requests that must wait over 1 s are parked in this process" in summary
     assert "a 429/503 pauses its domain for every worker" in summary
     assert "paced in this process at 1/1 of its rate (the 1 worker last seen live)" in summary

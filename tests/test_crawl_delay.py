@@ -100,7 +100,7 @@ async def test_crawl_delay_becomes_the_hosts_limit(
     assert stats["redis_throttle/crawl_delay/capped"] == 1
     messages = [r.getMessage() for r in caplog.records]
     assert any(
-        f"Crawl-delay of 0.5 s in the robots.txt of '{A}': its limit is now 1/0.5s" in m
+        f"Crawl-delay of 0.5 s in the robots.txt of '{A}': the limit of '{A}' is now 1/0.5s" in m
         for m in messages
     ), messages
     assert any(f"'{B}' asks for a Crawl-delay of 60 s; honouring 1 s" in m for m in messages)

@@ -17,6 +17,10 @@ class ShopSpider(RedisSpider):  # type: ignore[misc]
     name = "shop"
     redis_key = "shop:start_urls"
 
+    # What a budget is kept per: each host (the demo site's hosts are addresses). A site whose
+    # hosts share one limit (www.shop.com, img.shop.com) takes "registrable_domain": one budget
+    # for all of shop.com, as "shop.com" or "*.shop.com" below (docs: usage/rates, Scopes).
+    redis_throttle_scope = "host"
     # One budget per domain for the whole fleet, however many workers run this spider.
     redis_throttle_rates: ClassVar[dict[str, Any]] = {
         "127.0.0.2": "4/s",

@@ -1,0 +1,97 @@
+"""What a limit is kept per (its scope): each host, each registrable domain (``a.example.com``
+and ``b.example.com`` share ``example.com``'s budget, as sites that limit per domain count), or
+what a callable of the project's says.
+
+The scope turns a request into its *domain*, the name of its budget: the name its limit is
+looked up by, its Redis bucket, its pauses, its live limit and its lines in the logs.
+``REDIS_THROTTLE_SCOPE`` sets it (default ``"host"``); the meta key ``redis_throttle_scope``
+sets it for one request, by name; the meta key ``redis_throttle_key`` names the domain itself.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from scrapy.utils.misc import load_object
+from tldextract import TLDExtract
+
+from .errors import ThrottleConfigError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from scrapy import Request
+
+HOST = "host"
+REGISTRABLE_DOMAIN = "registrable_domain"
+NAMED = (HOST, REGISTRABLE_DOMAIN)
+
+# The Public Suffix List tldextract ships with itself: no download, no cache files. Its ICANN
+# part only, as Crawlee's registrable domains: the hosts under a private suffix (github.io,
+# herokuapp.com) are one operator's servers, which share one budget.
+_EXTRACT = TLDExtract(suffix_list_urls=(), cache_dir=None, include_psl_private_domains=False)
+# Hosts whose registrable domain is remembered (a dict lookup instead of a walk of the list).
+CACHED_HOSTS = 10_000
+
+
+@functools.lru_cache(maxsize=CACHED_HOSTS)
+def registrable_domain(host: str) -> str:
+    """*host*'s registrable domain (``shop.example.co.uk`` -> ``example.co.uk``), or *host*
+    itself when it has none: an IP address, ``localhost``, a public suffix, a name under no
+    known suffix."""
+    return _EXTRACT(host).top_domain_under_public_suffix or host
+
+
+@dataclass(frozen=True)
+class Scope:
+    """A scope: one of :data:`NAMED`, or *function*, a callable of the project's that takes a
+    request and returns its domain (a non-empty string), named *name* in logs."""
+
+    name: str
+    function: Callable[[Request], object] | None = None
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def parse_scope(value: object, *, source: str) -> Scope:
+    """A scope from a setting: ``"host"``, ``"registrable_domain"``, a callable, or the import
+    path of one (``"myproject.throttling.domain_of"``)."""
+    if isinstance(value, str) and value in NAMED:
+        return Scope(value)
+    function: Any = value
+    if isinstance(value, str) and "." in value:
+        try:
+            function = load_object(value)
+        except (ImportError, NameError, ValueError) as error:
+            raise ThrottleConfigError(f"{source}: cannot import {value!r}: {error}") from None
+    if not callable(function) or isinstance(function, type):
+        raise ThrottleConfigError(
+            f"{source} must be {HOST!r}, {REGISTRABLE_DOMAIN!r}, or a function (or its import "
+            f"path) that takes a request and returns its domain, got {value!r}"
+        )
+    name = value if isinstance(value, str) else getattr(function, "__qualname__", repr(function))
+    return Scope(name, function)
+
+
+def budget_of(scope: Scope, request: Request, host: str) -> tuple[object, bool]:
+    """The domain *scope* gives *request*, whose slot is *host* (to check: a function may return
+    anything), and whether it is a registrable domain (which a pattern ``*.example.com`` covers
+    as well as ``example.com``: every host of it shares the budget)."""
+    if scope.function is not None:
+        return scope.function(request), False
+    if scope.name == REGISTRABLE_DOMAIN:
+        return registrable_domain(host), True
+    return host, False
+
+
+def parse_meta_scope(value: object) -> Scope:
+    """A request's ``redis_throttle_scope``: a name only (meta may come from outside: it
+    never names code to run). ValueError for another value."""
+    if isinstance(value, str) and value in NAMED:
+        return Scope(value)
+    raise ValueError(
+        f"redis_throttle_scope must be {HOST!r} or {REGISTRABLE_DOMAIN!r}, got {value!r:.200}"
+    )
