@@ -253,6 +253,13 @@ class DemoSite:
             recent = sum(counted in ("*", a.host) and a.time > arrived - 1 for a in self._arrivals)
             return (429, {"Retry-After": str(retry_after)}) if recent >= most else None
 
+    def add_errors(
+        self, where: tuple[str, str], answers: Sequence[tuple[int, Mapping[str, str]]]
+    ) -> None:
+        """Answer the next requests for *where* (host, path) with *answers* (see *errors*)."""
+        with self._lock:
+            self._errors.setdefault(where, []).extend(answers)
+
     def next_stall(self, host: str, path: str) -> float:
         """Seconds the answer to this request waits (0: none; see *stalls*)."""
         with self._lock:

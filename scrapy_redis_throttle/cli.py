@@ -33,7 +33,6 @@ from .rates import (
     parse_limit,
 )
 from .redis_schema import ALGORITHM_CODES
-from .scopes import REGISTRABLE_DOMAIN
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -266,8 +265,8 @@ def _table(
     rows = [header]
     for state in states:
         went, waiting = activity.get(state.domain, (0, 0))
-        itself = config.scope.name == REGISTRABLE_DOMAIN
-        code = config.limits.lookup(state.domain, itself) if in_project else None
+        covers = config.scope.wildcards_cover_domains
+        code = config.limits.lookup(state.domain, covers) if in_project else None
         limit = _effective(state, code)
         tokens = (
             "?" if limit is None else f"{max(0.0, limit.burst - state.full_in * limit.rate):.1f}"

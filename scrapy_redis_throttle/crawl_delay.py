@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from scrapy.crawler import Crawler
 
     from .config import ThrottleConfig
+    from .domains import Domains
     from .rejections import Rejections
 
 logger = logging.getLogger(__name__)
@@ -85,10 +86,10 @@ class CrawlDelays:
         config: ThrottleConfig,
         rejections: Rejections,
         log_extra: Callable[[], dict[str, Any]],
-        domain_of: Callable[[Request], tuple[str, bool]],
+        domains: Domains,
     ) -> None:
         self._crawler = crawler
-        self._domain_of = domain_of
+        self._domains = domains
         self._config = config
         self._rejections = rejections
         self._log_extra = log_extra
@@ -156,8 +157,9 @@ class CrawlDelays:
                 extra=self._log_extra(),
             )
             delay = self._config.max_crawl_delay
+        url = urlparse_cached(request)
         try:
-            domain, itself = self._domain_of(request)
+            domain = self._domains.of_robots_txt(f"{url.scheme}://{url.netloc}/robots.txt")
         except ValueError as error:  # the scope's function failed for it
             self._rejections.reject("crawl_delay", host, str(error), "its configured limit applies")
             return
@@ -168,7 +170,7 @@ class CrawlDelays:
         if limit is not None and 1 / limit.rate >= delay:
             self._keep(domain, limit, netlocs)
             return
-        configured = self._config.limits.lookup(domain, itself)
+        configured = self._config.limits.lookup(domain, self._config.scope.wildcards_cover_domains)
         limit = with_crawl_delay(configured, delay)
         self._keep(domain, limit, netlocs)
         stats.inc_value(f"{STATS_PREFIX}/crawl_delay/applied")

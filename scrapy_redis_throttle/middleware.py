@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from scrapy import exceptions, signals
@@ -24,15 +25,15 @@ from .activity import Activity
 from .config import STATS_PREFIX, ThrottleConfig
 from .connection import close, connect
 from .crawl_delay import CrawlDelays
-from .errors import InvalidThrottleDomain, InvalidThrottleMeta, ThrottleConfigError
+from .domains import Domains
+from .errors import InvalidThrottleMeta, ThrottleConfigError
 from .gc_freeze import freeze_startup_objects
 from .parking import TICKET_META, ParkingArea, attach, engine_scheduler
 from .penalties import Pauses, parse_retry_after
-from .rates import format_rate, normalize_domain
+from .rates import format_rate
 from .redis_schema import penalty_channel
 from .rejections import Rejections
 from .resilience import ResilientBucket
-from .scopes import budget_of, parse_meta_scope
 from .startup import describe_setup, setup_warnings
 from .waiting import SENT_META, Turns
 
@@ -82,8 +83,9 @@ class RedisThrottleMiddleware:
         )
         self.parking: ParkingArea | None = None
         self.rejections = Rejections(crawler.stats, self._log_extra)
+        self.domains = Domains(self.config.scope, crawler.stats)
         self.crawl_delays = CrawlDelays(
-            crawler, self.config, self.rejections, self._log_extra, self.domain_of
+            crawler, self.config, self.rejections, self._log_extra, self.domains
         )
         self.pauses = Pauses(
             self.redis,
@@ -178,7 +180,9 @@ class RedisThrottleMiddleware:
             return None
         domain, limit = self._budget(request)
         if ticket is not None:
-            self.activity.park(domain, -1)  # back from the parking area
+            self.activity.park(ticket.domain, -1)  # back from the parking area
+            if ticket.domain != domain:  # its scope names another budget now: it asks anew
+                ticket = replace(ticket, domain=domain, reserved=False)
         if limit is None:
             stats.inc_value(f"{STATS_PREFIX}/unthrottled")
             return None
@@ -288,52 +292,13 @@ class RedisThrottleMiddleware:
         )
 
     def _budget(self, request: Request) -> tuple[str, Limit | None]:
-        """The request's domain (see :mod:`.scopes`) and its limit (None: unthrottled; so are
+        """The request's domain (see :mod:`.domains`) and its limit (None: unthrottled; so are
         data: and file: URLs, whose domain is "")."""
-        domain, itself = self.domain_of(request)
+        domain = self.domains.of(request)
         if not domain:
             return "", None
-        return domain, self.crawl_delays.limit(domain, self.config.limits.lookup(domain, itself))
-
-    def domain_of(self, request: Request) -> tuple[str, bool]:
-        """The request's domain, and whether it is a registrable domain (see
-        :func:`.scopes.budget_of`). InvalidThrottleMeta or InvalidThrottleDomain for a bad
-        value: that request fails."""
-        meta = request.meta
-        domain: object = meta.get("redis_throttle_key")
-        itself = False
-        if domain is None:
-            slot = self.crawler.engine.downloader.get_slot_key(request)
-            if not slot:
-                return "", False  # data: and file: URLs
-            scope = self.config.scope
-            if "redis_throttle_scope" in meta:
-                try:
-                    scope = parse_meta_scope(meta["redis_throttle_scope"])
-                except ValueError as error:
-                    self._bad_meta(request, str(error))
-            if scope.function is None and slot != urlparse_cached(request).hostname:
-                # meta["download_slot"] of the project's own: not a host (Scrapy's downloader
-                # sets it to the host name too, once it has the request).
-                domain = slot
-            else:
-                try:
-                    domain, itself = budget_of(scope, request, slot)
-                except Exception as error:  # the project's function: that request fails
-                    self._bad_domain(request, f"{scope} failed: {error!r:.200}")
-            if not (isinstance(domain, str) and domain):
-                self._bad_domain(request, f"{scope} gave {domain!r:.200}, not a domain")
-        elif not (isinstance(domain, str) and domain):
-            self._bad_meta(
-                request, f"redis_throttle_key must be a non-empty string, got {domain!r:.200}"
-            )
-        try:
-            normalized = normalize_domain(domain)
-        except ValueError:
-            normalized = ""
-        if not normalized:
-            self._bad_meta(request, f"throttle key {domain!r:.200} is no name IDNA takes")
-        return normalized, itself
+        configured = self.config.limits.lookup(domain, self.config.scope.wildcards_cover_domains)
+        return domain, self.crawl_delays.limit(domain, configured)
 
     def _cost(self, request: Request, limit: Limit) -> float:
         cost = request.meta.get("redis_throttle_cost", 1)
@@ -355,10 +320,6 @@ class RedisThrottleMiddleware:
     def _bad_meta(self, request: Request, message: str) -> NoReturn:
         self.stats.inc_value(f"{STATS_PREFIX}/invalid_meta")
         raise InvalidThrottleMeta(f"{message} ({request})")
-
-    def _bad_domain(self, request: Request, message: str) -> NoReturn:
-        self.stats.inc_value(f"{STATS_PREFIX}/invalid_domains")
-        raise InvalidThrottleDomain(f"REDIS_THROTTLE_SCOPE: {message} ({request})")
 
 
 def _source(request: Request, domain: str) -> str:

@@ -11,6 +11,7 @@ sets it for one request, by name; the meta key ``redis_throttle_key`` names the 
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +53,12 @@ class Scope:
     name: str
     function: Callable[[Request], object] | None = None
 
+    @property
+    def wildcards_cover_domains(self) -> bool:
+        """Whether a pattern ``*.shop.com`` names the registrable domain ``shop.com`` too (for
+        every domain of a crawl under this scope: one bucket, one limit)."""
+        return self.name == REGISTRABLE_DOMAIN
+
     def __str__(self) -> str:
         return self.name
 
@@ -65,9 +72,11 @@ def parse_scope(value: object, *, source: str) -> Scope:
     if isinstance(value, str) and "." in value:
         try:
             function = load_object(value)
-        except (ImportError, NameError, ValueError) as error:
-            raise ThrottleConfigError(f"{source}: cannot import {value!r}: {error}") from None
-    if not callable(function) or isinstance(function, type):
+        except Exception as error:  # whatever importing its module raised
+            raise ThrottleConfigError(
+                f"{source}: cannot import {value!r}: {type(error).__name__}: {error}"
+            ) from None
+    if not callable(function) or isinstance(function, type) or not _takes_one(function):
         raise ThrottleConfigError(
             f"{source} must be {HOST!r}, {REGISTRABLE_DOMAIN!r}, or a function (or its import "
             f"path) that takes a request and returns its domain, got {value!r}"
@@ -76,15 +85,15 @@ def parse_scope(value: object, *, source: str) -> Scope:
     return Scope(name, function)
 
 
-def budget_of(scope: Scope, request: Request, host: str) -> tuple[object, bool]:
-    """The domain *scope* gives *request*, whose slot is *host* (to check: a function may return
-    anything), and whether it is a registrable domain (which a pattern ``*.example.com`` covers
-    as well as ``example.com``: every host of it shares the budget)."""
-    if scope.function is not None:
-        return scope.function(request), False
-    if scope.name == REGISTRABLE_DOMAIN:
-        return registrable_domain(host), True
-    return host, False
+def _takes_one(function: Callable[..., object]) -> bool:
+    """Whether *function* can be called with one argument (True when Python cannot tell)."""
+    try:
+        inspect.signature(function).bind(None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature (some built-ins)
+        return True
+    return True
 
 
 def parse_meta_scope(value: object) -> Scope:

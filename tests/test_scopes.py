@@ -5,13 +5,16 @@ that a test resolver sends to the demo site."""
 from __future__ import annotations
 
 import itertools
+import logging
 import re
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from demo_site import HOSTS, DemoSite
 from local_redis import RedisServer
-from loopback_names import resolving
+from loopback_names import LoopbackNames, resolving
 from scrapy import Request, signals
 from scrapy.settings import Settings
 from support import (
@@ -88,9 +91,16 @@ def test_the_scope_setting_takes_a_name_or_a_function(value: object, expected: s
         (f"{__name__}.no_such_function", "REDIS_THROTTLE_SCOPE: cannot import"),
         (5, "REDIS_THROTTLE_SCOPE must be 'host', 'registrable_domain', or a function"),
         (Request, "REDIS_THROTTLE_SCOPE must be 'host', 'registrable_domain', or a function"),
+        (lambda: "x", "REDIS_THROTTLE_SCOPE must be 'host', 'registrable_domain', or a function"),
+        ("..", "REDIS_THROTTLE_SCOPE: cannot import '..'"),
+        ("broken_at_import.domain_of", "REDIS_THROTTLE_SCOPE: cannot import 'broken_at_import."),
     ],
 )
-def test_a_bad_scope_fails_at_start_up_naming_the_setting(value: object, message: str) -> None:
+def test_a_bad_scope_fails_at_start_up_naming_the_setting(
+    value: object, message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "broken_at_import.py").write_text("raise RuntimeError('broken')\n")
+    monkeypatch.syspath_prepend(tmp_path)
     with pytest.raises(ThrottleConfigError, match="^" + re.escape(message)):
         config(REDIS_THROTTLE_SCOPE=value)
 
@@ -154,26 +164,34 @@ def test_a_fleet_keeps_one_budget_for_every_host_of_a_registrable_domain(
 async def test_a_function_names_the_domain_and_a_failure_fails_only_its_request(
     redis_server: RedisServer, site: DemoSite
 ) -> None:
+    class Unusual(BaseException):
+        pass
+
     def scope(request: Request) -> object:
-        if request.url.endswith("/page/9"):
+        page = request.url.rsplit("/", 1)[1]
+        if page == "9":
             raise RuntimeError("no domain for this one")
-        return "" if request.url.endswith("/page/8") else "Group"
+        if page == "7":
+            raise Unusual("not even an Exception")
+        return {"8": "", "6": "b\udcff"}.get(page, "Group")
 
     crawler = await run_crawl(
         crawl_settings(redis_server.url, REDIS_THROTTLE_SCOPE=scope),
-        [{"url": site.url(host, f"/page/{n}")} for host in (A, B) for n in (0, 1, 8, 9)],
+        [{"url": site.url(host, f"/page/{n}")} for host in (A, B) for n in (0, 1, 6, 7, 8, 9)],
         redis_throttle_rates={"group": "4/s"},
     )
     stats = crawler.stats.get_stats()
     assert stats["test/responses"] == 4
-    assert stats["redis_throttle/invalid_domains"] == 4
-    assert stats["test/failures/InvalidThrottleDomain"] == 4
+    assert stats["redis_throttle/invalid_domains"] == 8
+    assert stats["test/failures/InvalidThrottleDomain"] == 8
     name = scope.__qualname__
     assert sorted(crawler.spider.failure_messages) == [  # type: ignore[union-attr]
         f"REDIS_THROTTLE_SCOPE: {name} {what} (<GET {site.url(host, path)}>)"
         for what, path in (
             ("failed: RuntimeError('no domain for this one')", "/page/9"),
+            ("failed: Unusual('not even an Exception')", "/page/7"),
             ("gave '', not a domain", "/page/8"),
+            ("gave 'b\\udcff', no name IDNA takes", "/page/6"),
         )
         for host in (A, B)
     ]
@@ -250,3 +268,69 @@ def test_a_crawl_delay_of_a_host_paces_every_host_of_the_domain(
     went = released(stats, "www.shop.com", "img.shop.com")
     gaps = [later - earlier for earlier, later in itertools.pairwise(went)]
     assert min(gaps) >= 0.5 - ARRIVAL_JITTER, f"gaps between the pages: {gaps}"
+
+
+@pytest.fixture
+def shop_names() -> Iterator[None]:
+    """www.shop.com and img.shop.com resolve to the demo site in this process too (Scrapy's
+    CrawlerRunner installs no resolver of its settings)."""
+    from twisted.internet import reactor
+
+    original = reactor.nameResolver
+    LoopbackNames(reactor, {"www.shop.com": A, "img.shop.com": B}).install_on_reactor()
+    try:
+        yield
+    finally:
+        reactor.installNameResolver(original)
+
+
+@async_test
+async def test_a_redirected_request_is_under_the_domain_of_its_new_url(
+    redis_server: RedisServer, shop_names: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Scrapy's downloader sets meta["download_slot"] (the host name), and a redirect carries
+    it to the next URL: it is not the project's own slot, and the 429 of the new URL pauses the
+    domain the scope gives it, named with the host that answered."""
+    caplog.set_level(logging.INFO, logger="scrapy_redis_throttle")
+    with DemoSite(HOSTS, pages=10) as site:
+        location = f"http://img.shop.com:{site.port}/page/1"
+        site.add_errors((A, "/page/0"), [(302, {"Location": location})])
+        site.add_errors((B, "/page/1"), [(429, {"Retry-After": "1"})])
+        crawler = await run_crawl(
+            crawl_settings(redis_server.url, REDIS_THROTTLE_SCOPE=REGISTRABLE_DOMAIN),
+            [{"url": f"http://www.shop.com:{site.port}/page/0"}],
+            redis_throttle_rates={"*.shop.com": "5/s"},
+        )
+    stats = crawler.stats.get_stats()
+    assert stats["test/responses"] == 1
+    assert stats["redis_throttle/pauses"] == 1
+    messages = [r.getMessage() for r in caplog.records if "429 from" in r.getMessage()]
+    assert messages == [
+        "Redis throttle: 429 from 'img.shop.com' (domain 'shop.com') (Retry-After: 1 s): no "
+        "request to it for 1.0 s, from any worker"
+    ]
+
+
+@pytest.mark.skipif(not HAS_ROBOTS_SIGNAL, reason="Scrapy < 2.18 has no robots_parsed signal")
+@async_test
+async def test_a_crawl_delay_is_the_hosts_whatever_the_meta_of_its_first_request(
+    redis_server: RedisServer,
+) -> None:
+    """Scrapy tells of a robots.txt with the request that made it fetch it: that request's
+    meta (here an invalid redis_throttle_key, which fails it alone) does not decide the domain
+    of the Crawl-delay."""
+    robots = {A: "User-agent: *\nCrawl-delay: 1\nAllow: /\n"}
+    with DemoSite(HOSTS, pages=10, robots=robots) as site:
+        crawler = await run_crawl(
+            crawl_settings(redis_server.url, ROBOTSTXT_OBEY=True, CONCURRENT_REQUESTS=1),
+            [{"url": site.url(A, "/page/0"), "meta": {"redis_throttle_key": 5}}]
+            + [{"url": site.url(A, f"/page/{n}")} for n in range(1, 4)],
+            redis_throttle_rates={A: "50/s"},
+        )
+    stats = crawler.stats.get_stats()
+    assert stats["test/responses"] == 3
+    assert stats["redis_throttle/invalid_meta"] == 1
+    assert stats["redis_throttle/crawl_delay/applied"] == 1
+    went = released(stats, A)
+    gaps = [later - earlier for earlier, later in itertools.pairwise(went)]
+    assert min(gaps) >= 1 - ARRIVAL_JITTER, f"gaps between the pages: {gaps}"
