@@ -4,15 +4,19 @@ own ``download_slot``, else what its scope (:mod:`.scopes`) gives its URL's host
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 from typing import TYPE_CHECKING, NoReturn
 
 from scrapy import Request
+from scrapy.resolver import dnscache
+from scrapy.utils.defer import maybe_deferred_to_future
 from scrapy.utils.httpobj import urlparse_cached
+from twisted.internet.defer import Deferred
 
 from .config import STATS_PREFIX
 from .errors import InvalidThrottleDomain, InvalidThrottleMeta
 from .rates import normalize_domain
-from .scopes import REGISTRABLE_DOMAIN, Scope, parse_meta_scope, registrable_domain
+from .scopes import IP, REGISTRABLE_DOMAIN, Scope, parse_meta_scope, registrable_domain, shown
 
 if TYPE_CHECKING:
     from scrapy.statscollectors import StatsCollector
@@ -30,15 +34,16 @@ class Domains:
     def __init__(self, scope: Scope, stats: StatsCollector) -> None:
         self._scope = scope
         self._stats = stats
+        self._addresses = ServerAddresses()
 
-    def of(self, request: Request) -> str:
+    async def of(self, request: Request) -> str:
         """The domain of *request* ("" for data: and file: URLs: not throttled)."""
         meta = request.meta
         key = meta.get("redis_throttle_key")
         if key is not None:
             if not (isinstance(key, str) and key):
                 self._bad_meta(
-                    request, f"redis_throttle_key must be a non-empty string, got {_show(key)}"
+                    request, f"redis_throttle_key must be a non-empty string, got {shown(key)}"
                 )
             return self._meta_named(request, key)
         scope = self._scope
@@ -51,42 +56,50 @@ class Domains:
         if own_slot is not None and scope.function is None:
             if not (isinstance(own_slot, str) and own_slot):
                 self._bad_meta(
-                    request, f"download_slot must be a non-empty string, got {_show(own_slot)}"
+                    request, f"download_slot must be a non-empty string, got {shown(own_slot)}"
                 )
             return self._meta_named(request, own_slot)
         host = urlparse_cached(request).hostname
         if not host:
             return ""
+        if scope.name == IP:
+            return self._meta_named(request, await self._addresses.of(host))
         return self._scoped(request, scope, host)
 
     def of_robots_txt(self, url: str) -> str:
         """The domain a robots.txt at *url* sets the Crawl-delay of: its host's, by the
-        configured scope (whatever the meta of the request that fetched it)."""
+        configured scope (whatever the meta of the request that fetched it; under the "ip"
+        scope, the address it was fetched from, as Scrapy's DNS cache has it)."""
         request = Request(url)
         return self._scoped(request, self._scope, urlparse_cached(request).hostname or "")
 
     def _scoped(self, request: Request, scope: Scope, host: str) -> str:
         if scope.function is None:
-            named = registrable_domain(host) if scope.name == REGISTRABLE_DOMAIN else host
+            if scope.name == REGISTRABLE_DOMAIN:
+                named = registrable_domain(host)
+            elif scope.name == IP:
+                named = self._addresses.cached(host) or host
+            else:
+                named = host
             return self._meta_named(request, named)
         try:
             domain = scope.function(request)
         except (KeyboardInterrupt, SystemExit, asyncio.CancelledError):
             raise
         except BaseException as error:  # the project's function: that request fails
-            self._bad_domain(request, f"{scope} failed: {_show(error)}")
+            self._bad_domain(request, f"{scope} failed: {shown(error)}")
         if not (isinstance(domain, str) and domain):
-            self._bad_domain(request, f"{scope} gave {_show(domain)}, not a domain")
+            self._bad_domain(request, f"{scope} gave {shown(domain)}, not a domain")
         normalized = _normalized(domain)
         if not normalized:
-            self._bad_domain(request, f"{scope} gave {_show(domain)}, no name IDNA takes")
+            self._bad_domain(request, f"{scope} gave {shown(domain)}, no name IDNA takes")
         return normalized
 
     def _meta_named(self, request: Request, name: str) -> str:
         """*name*, a meta value or a host name, as a domain."""
         normalized = _normalized(name)
         if not normalized:
-            self._bad_meta(request, f"throttle key {_show(name)} is no name IDNA takes")
+            self._bad_meta(request, f"throttle key {shown(name)} is no name IDNA takes")
         return normalized
 
     def _bad_meta(self, request: Request, message: str) -> NoReturn:
@@ -98,17 +111,71 @@ class Domains:
         raise InvalidThrottleDomain(f"REDIS_THROTTLE_SCOPE: {message} ({request})")
 
 
-def _show(value: object) -> str:
-    """*value* for a message: its repr, at most 200 characters (a repr that fails: its type)."""
-    try:
-        return f"{value!r:.200}"
-    except Exception:
-        return f"<{type(value).__name__}>"
-
-
 def _normalized(name: str) -> str:
     """*name* as :func:`.normalize_domain` gives it ("" for a name IDNA refuses)."""
     try:
         return normalize_domain(name)
     except ValueError:
         return ""
+
+
+class ServerAddresses:
+    """The server address of each host, as Scrapy's resolver finds it: from its DNS cache, else
+    one lookup through the reactor's resolver (``TWISTED_DNS_RESOLVER``), shared by the requests
+    that wait for it, which fills that cache for the download: no second lookup."""
+
+    def __init__(self) -> None:
+        self._lookups: dict[str, asyncio.Future[str | None]] = {}
+
+    def cached(self, host: str) -> str | None:
+        """*host*'s address if it is one, or Scrapy's DNS cache holds it (else None)."""
+        try:
+            return str(ipaddress.ip_address(host))
+        except ValueError:
+            pass
+        found = dnscache.get(host)
+        if isinstance(found, (list, tuple)):  # CachingHostnameResolver: IAddress objects
+            found = getattr(found[0], "host", None) if found else None
+        return found if isinstance(found, str) and found else None
+
+    async def of(self, host: str) -> str:
+        """*host*'s address; *host* itself when it does not resolve (its download fails too)."""
+        address = self.cached(host)
+        if address is not None:
+            return address
+        lookup = self._lookups.get(host)
+        if lookup is None:
+            lookup = self._lookups[host] = asyncio.ensure_future(_resolve(host))
+            lookup.add_done_callback(lambda _: self._lookups.pop(host, None))
+        return await asyncio.shield(lookup) or host
+
+
+class _Receiver:
+    """Twisted's IResolutionReceiver: the addresses of one name, then the end."""
+
+    def __init__(self) -> None:
+        self.addresses: list[object] = []
+        self.done: Deferred[None] = Deferred()
+
+    def resolutionBegan(self, resolution: object) -> None:
+        pass
+
+    def addressResolved(self, address: object) -> None:
+        self.addresses.append(address)
+
+    def resolutionComplete(self) -> None:
+        self.done.callback(None)
+
+
+async def _resolve(host: str) -> str | None:
+    """The first address the reactor's resolver finds for *host* (None: none, or it failed)."""
+    from twisted.internet import reactor
+
+    receiver = _Receiver()
+    try:
+        reactor.nameResolver.resolveHostName(receiver, host)
+        await maybe_deferred_to_future(receiver.done)
+    except Exception:  # an unresolvable name: its download fails and says why
+        return None
+    found = next((getattr(a, "host", None) for a in receiver.addresses), None)
+    return found if isinstance(found, str) and found else None

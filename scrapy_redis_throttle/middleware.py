@@ -178,7 +178,7 @@ class RedisThrottleMiddleware:
         if request.meta.get("dont_redis_throttle"):
             stats.inc_value(f"{STATS_PREFIX}/skipped")
             return None
-        domain, limit = self._budget(request)
+        domain, limit = await self._budget(request)
         if ticket is not None:
             self.activity.park(ticket.domain, -1)  # back from the parking area
             if ticket.domain != domain:  # its scope names another budget now: it asks anew
@@ -198,7 +198,7 @@ class RedisThrottleMiddleware:
         domain for every worker (before RetryMiddleware, at 550, retries the request)."""
         if response.status not in self.config.penalty_codes:
             return response
-        domain, limit = self._penalized(request)
+        domain, limit = await self._penalized(request)
         if limit is None:
             return response
         self.stats.inc_value(f"{STATS_PREFIX}/penalties/{response.status}")
@@ -254,19 +254,19 @@ class RedisThrottleMiddleware:
         """A download timeout lowers its domain's adaptive rate, if that is on."""
         if self.config.adaptive is None or not isinstance(exception, DOWNLOAD_TIMEOUTS):
             return
-        domain, limit = self._penalized(request)
+        domain, limit = await self._penalized(request)
         if limit is not None:
             self.stats.inc_value(f"{STATS_PREFIX}/adaptive/timeouts")
             cause = f"download timeout at {_source(request, domain)}"
             await self._slow_down(request, domain, limit, cause)
 
-    def _penalized(self, request: Request) -> tuple[str, Limit | None]:
+    async def _penalized(self, request: Request) -> tuple[str, Limit | None]:
         """The domain and limit a failure of *request* counts against (no limit: against none,
         the request is not throttled or opted out)."""
         meta = request.meta
         if meta.get("dont_redis_throttle") or meta.get("redis_throttle_penalty", True) is False:
             return "", None
-        return self._budget(request)
+        return await self._budget(request)
 
     async def _slow_down(
         self, request: Request, domain: str, limit: Limit, cause: str, hold: float = 0
@@ -291,10 +291,10 @@ class RedisThrottleMiddleware:
             extra=self._log_extra(),
         )
 
-    def _budget(self, request: Request) -> tuple[str, Limit | None]:
+    async def _budget(self, request: Request) -> tuple[str, Limit | None]:
         """The request's domain (see :mod:`.domains`) and its limit (None: unthrottled; so are
         data: and file: URLs, whose domain is "")."""
-        domain = self.domains.of(request)
+        domain = await self.domains.of(request)
         if not domain:
             return "", None
         configured = self.config.limits.lookup(domain, self.config.scope.wildcards_cover_domains)

@@ -1,6 +1,7 @@
 """What a limit is kept per (its scope): each host, each registrable domain (``a.example.com``
-and ``b.example.com`` share ``example.com``'s budget, as sites that limit per domain count), or
-what a callable of the project's says.
+and ``b.example.com`` share ``example.com``'s budget, as sites that limit per domain count), each
+server address (the hosts one server serves share its budget), or what a callable of the
+project's says.
 
 The scope turns a request into its *domain*, the name of its budget: the name its limit is
 looked up by, its Redis bucket, its pauses, its live limit and its lines in the logs.
@@ -27,7 +28,8 @@ if TYPE_CHECKING:
 
 HOST = "host"
 REGISTRABLE_DOMAIN = "registrable_domain"
-NAMED = (HOST, REGISTRABLE_DOMAIN)
+IP = "ip"
+NAMED = (HOST, REGISTRABLE_DOMAIN, IP)
 
 # The Public Suffix List tldextract ships with itself: no download, no cache files. Its ICANN
 # part only, as Crawlee's registrable domains: the hosts under a private suffix (github.io,
@@ -78,8 +80,8 @@ def parse_scope(value: object, *, source: str) -> Scope:
             ) from None
     if not callable(function) or isinstance(function, type) or not _takes_one(function):
         raise ThrottleConfigError(
-            f"{source} must be {HOST!r}, {REGISTRABLE_DOMAIN!r}, or a function (or its import "
-            f"path) that takes a request and returns its domain, got {value!r}"
+            f"{source} must be {HOST!r}, {REGISTRABLE_DOMAIN!r}, {IP!r}, or a function (or its "
+            f"import path) that takes a request and returns its domain, got {value!r}"
         )
     name = value if isinstance(value, str) else getattr(function, "__qualname__", repr(function))
     return Scope(name, function)
@@ -102,5 +104,14 @@ def parse_meta_scope(value: object) -> Scope:
     if isinstance(value, str) and value in NAMED:
         return Scope(value)
     raise ValueError(
-        f"redis_throttle_scope must be {HOST!r} or {REGISTRABLE_DOMAIN!r}, got {value!r:.200}"
+        f"redis_throttle_scope must be {HOST!r}, {REGISTRABLE_DOMAIN!r} or {IP!r}, got "
+        f"{shown(value)}"
     )
+
+
+def shown(value: object) -> str:
+    """*value* for a message: its repr, at most 200 characters (a repr that fails: its type)."""
+    try:
+        return f"{value!r:.200}"
+    except Exception:
+        return f"<{type(value).__name__}>"

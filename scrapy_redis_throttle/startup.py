@@ -7,13 +7,17 @@ from typing import TYPE_CHECKING
 
 from .parking import RedisParking
 from .rates import format_rate
-from .scopes import HOST, REGISTRABLE_DOMAIN
+from .scopes import HOST, IP, REGISTRABLE_DOMAIN
 
 if TYPE_CHECKING:
     from .config import ThrottleConfig
     from .middleware import RedisThrottleMiddleware
 
-_SCOPES = {HOST: "each host", REGISTRABLE_DOMAIN: "each registrable domain"}
+_SCOPES = {
+    HOST: "each host",
+    REGISTRABLE_DOMAIN: "each registrable domain",
+    IP: "each server address",
+}
 
 
 def describe_setup(middleware: RedisThrottleMiddleware) -> list[str]:

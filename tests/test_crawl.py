@@ -36,6 +36,7 @@ from support import (
     async_test,
     crawl_settings,
     finish_crawl_workers,
+    missed_moments,
     pages,
     released,
     run_crawl,
@@ -71,7 +72,8 @@ async def test_two_domains_are_paced_at_their_own_rates(
     stats = crawler.stats.get_stats()
     for host, rate in ((A, 5.0), (B, 2.0)):
         assert_released_paced(stats, site.arrivals(host), rate, 1, host)
-        achieved = achieved_rate(times(site, host), burst=1)
+        # A slot a busy worker missed (by over waiting.MISSED_AFTER) is lost, for politeness.
+        achieved = achieved_rate(times(site, host), 1, missed_moments(stats, host))
         assert achieved >= 0.9 * rate, f"{host}: {achieved:.2f}/s achieved, limit {rate}/s"
     assert stats["test/responses"] == 30
     assert stats["redis_throttle/requests"] == 30
@@ -183,7 +185,8 @@ async def test_meta_key_shares_a_budget_and_meta_cost_spends_tokens(
     assert_paced(released(stats, A) + 2 * released(stats, B), 4, 2, "group, in tokens, as released")
     for host in (A, B):
         assert_never_early([a.wall_time for a in site.arrivals(host)], released(stats, host), host)
-    assert achieved_rate(times(site, A) + 2 * times(site, B), burst=2) >= 0.9 * 4
+    tokens = times(site, A) + 2 * times(site, B)
+    assert achieved_rate(tokens, 2, missed_moments(stats, "group")) >= 0.9 * 4
     with redis_server.client() as client:
         # (and the fleet's secret: see scrapy_redis_throttle/seals.py)
         keys = set(client.keys("*")) - {b"redis_throttle:secret"}
@@ -269,7 +272,7 @@ def test_two_crawler_processes_share_one_budget(redis_server: RedisServer, site:
 
     assert len(site.arrivals(A)) == 20
     assert_released_paced(all_stats, site.arrivals(A), 4, 1, A)
-    assert achieved_rate(times(site, A), burst=1) >= 0.9 * 4
+    assert achieved_rate(times(site, A), 1, missed_moments(all_stats, A)) >= 0.9 * 4
 
 
 def test_a_worker_freezes_its_start_up_out_of_the_garbage_collector(

@@ -32,6 +32,7 @@ from support import (
     assert_released_paced,
     async_test,
     crawl_settings,
+    missed_moments,
     parked_member,
     redis_now_us,
     released,
@@ -111,7 +112,7 @@ async def test_a_slow_domain_does_not_starve_the_others(
         assert max(paths.values()) == 1, f"{host}: fetched twice"
     stats = crawler.stats.get_stats()
     assert_released_paced(stats, site.arrivals(SLOW), 1 / 3, 1, SLOW)
-    assert achieved_rate(slow, burst=1) >= 0.9 / 3
+    assert achieved_rate(slow, 1, missed_moments(stats, SLOW)) >= 0.9 / 3
     assert stats["redis_throttle/park_requests"] == 3
     assert stats["redis_throttle/parked"] == 3
     assert stats["redis_throttle/requests"] == 4

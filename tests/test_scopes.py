@@ -33,7 +33,7 @@ from support import (
 
 from scrapy_redis_throttle import ThrottleConfig, ThrottleConfigError
 from scrapy_redis_throttle.rates import build_table
-from scrapy_redis_throttle.scopes import HOST, REGISTRABLE_DOMAIN, registrable_domain
+from scrapy_redis_throttle.scopes import HOST, IP, REGISTRABLE_DOMAIN, registrable_domain
 
 A, B, C = HOSTS
 HAS_ROBOTS_SIGNAL = hasattr(signals, "robots_parsed")
@@ -86,12 +86,18 @@ def test_the_scope_setting_takes_a_name_or_a_function(value: object, expected: s
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ("domain", "REDIS_THROTTLE_SCOPE must be 'host', 'registrable_domain', or a function"),
+        (
+            "domain",
+            "REDIS_THROTTLE_SCOPE must be 'host', 'registrable_domain', 'ip', or a function",
+        ),
         ("no_such_module.domain_of", "REDIS_THROTTLE_SCOPE: cannot import 'no_such_module.d"),
         (f"{__name__}.no_such_function", "REDIS_THROTTLE_SCOPE: cannot import"),
-        (5, "REDIS_THROTTLE_SCOPE must be 'host', 'registrable_domain', or a function"),
-        (Request, "REDIS_THROTTLE_SCOPE must be 'host', 'registrable_domain', or a function"),
-        (lambda: "x", "REDIS_THROTTLE_SCOPE must be 'host', 'registrable_domain', or a function"),
+        (5, "REDIS_THROTTLE_SCOPE must be 'host', 'registrable_domain', 'ip', or a function"),
+        (Request, "REDIS_THROTTLE_SCOPE must be 'host', 'registrable_domain', 'ip', or a function"),
+        (
+            lambda: "x",
+            "REDIS_THROTTLE_SCOPE must be 'host', 'registrable_domain', 'ip', or a function",
+        ),
         ("..", "REDIS_THROTTLE_SCOPE: cannot import '..'"),
         ("broken_at_import.domain_of", "REDIS_THROTTLE_SCOPE: cannot import 'broken_at_import."),
     ],
@@ -160,6 +166,38 @@ def test_a_fleet_keeps_one_budget_for_every_host_of_a_registrable_domain(
     assert utilisation >= 0.9
 
 
+def test_a_fleet_keeps_one_budget_for_every_host_of_a_server(redis_server: RedisServer) -> None:
+    """Three worker processes crawl three sites of three registrable domains that one server
+    (127.0.0.2) serves, and limits to 5/s for them all (a 429 above): with REDIS_THROTTLE_SCOPE
+    = "ip", the server's address is the domain, none is refused and the budget is used."""
+    rate = 5
+    names = dict.fromkeys(("www.shop.com", "www.other.org", "www.third.net"), A)
+    with DemoSite([A], pages=10, overload={A: (int(1 + rate * 1.1), 1)}) as site:
+        requests = [
+            {"url": f"http://{name}:{site.port}/page/{n}"} for n in range(10) for name in names
+        ]
+        settings = crawl_settings(redis_server.url, REDIS_THROTTLE_SCOPE=IP, **resolving(names))
+        jobs = [
+            {
+                "settings": settings,
+                "requests": requests[worker::3],
+                "spider_attributes": {"redis_throttle_rates": {A: f"{rate}/s"}},
+            }
+            for worker in range(3)
+        ]
+        all_stats = finish_crawl_workers(start_crawl_workers(redis_server.url, jobs), 90)
+        arrivals = site.arrivals()
+    assert [a for a in arrivals if a.status != 200] == []
+    assert len(arrivals) == 30, "every page of every site, once (the server sees its paths)"
+    went = released(all_stats, *names)
+    assert_paced(went, rate, 1, f"{A}, as released")
+    assert_never_early([a.wall_time for a in arrivals], went, A)
+    missed = missed_moments(all_stats, A)
+    utilisation = achieved_rate([a.time for a in arrivals], 1, missed) / rate
+    print(f"{A}: utilisation {utilisation:.2f}, missed moments {missed}")
+    assert utilisation >= 0.9
+
+
 @async_test
 async def test_a_function_names_the_domain_and_a_failure_fails_only_its_request(
     redis_server: RedisServer, site: DemoSite
@@ -212,7 +250,7 @@ async def test_a_request_chooses_its_scope_by_name_in_its_meta(
     assert stats["test/responses"] == 1
     assert stats["redis_throttle/invalid_meta"] == 1
     assert crawler.spider.failure_messages == [  # type: ignore[union-attr]
-        "redis_throttle_scope must be 'host' or 'registrable_domain', got 'builtins.print' "
+        "redis_throttle_scope must be 'host', 'registrable_domain' or 'ip', got 'builtins.print' "
         f"(<GET {site.url(A, '/page/1')}>)"
     ]
 
