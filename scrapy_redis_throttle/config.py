@@ -114,6 +114,8 @@ class CrawlSettings:
     user_agent: str
     twisted_reactor: object
     """``TWISTED_REACTOR``, as set (for the message when it is not asyncio's)."""
+    dns_timeout: float
+    """``DNS_TIMEOUT``: the longest the "ip" scope waits for a host's address."""
     queue_redis: tuple[str, Mapping[str, Any]] | ThrottleConfigError
     """URL and client parameters of scrapy-redis's Redis (see :func:`.queue_redis_connection`),
     or why they are invalid: only the parking area beside scrapy-redis's queue needs them, and
@@ -131,6 +133,7 @@ class CrawlSettings:
             robotstxt_user_agent=settings.get("ROBOTSTXT_USER_AGENT") or "",
             user_agent=settings.get("USER_AGENT") or "",
             twisted_reactor=settings.get("TWISTED_REACTOR"),
+            dns_timeout=settings.getfloat("DNS_TIMEOUT"),
             queue_redis=_queue_redis(settings),
         )
 

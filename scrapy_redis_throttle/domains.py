@@ -21,9 +21,10 @@ from .scopes import IP, REGISTRABLE_DOMAIN, Scope, parse_meta_scope, registrable
 if TYPE_CHECKING:
     from scrapy.statscollectors import StatsCollector
 
-# The project's own meta["download_slot"] as the request first came (None: none). Scrapy's
-# downloader sets one too (the host name, or its address with CONCURRENT_REQUESTS_PER_IP),
-# which a retry or a redirect carries on: that one is not the project's.
+# [URL, the project's own meta["download_slot"] (None: none)] as the throttle first saw a
+# request of that URL. Scrapy's downloader sets a download_slot too (the host name, or its
+# address with CONCURRENT_REQUESTS_PER_IP), which a retry, a redirect, or a request made with a
+# copy of the meta carries on: that one is not the project's.
 OWN_SLOT_META = "_redis_throttle_own_slot"
 
 
@@ -31,10 +32,13 @@ class Domains:
     """A bad value fails its request only, counted: :class:`.InvalidThrottleMeta` for a meta
     value, :class:`.InvalidThrottleDomain` for what the scope's function did."""
 
-    def __init__(self, scope: Scope, stats: StatsCollector) -> None:
+    def __init__(self, scope: Scope, stats: StatsCollector, dns_timeout: float) -> None:
         self._scope = scope
         self._stats = stats
-        self._addresses = ServerAddresses()
+        self._addresses = ServerAddresses(dns_timeout)
+
+    def close(self) -> None:
+        self._addresses.close()
 
     async def of(self, request: Request) -> str:
         """The domain of *request* ("" for data: and file: URLs: not throttled)."""
@@ -52,7 +56,7 @@ class Domains:
                 scope = parse_meta_scope(meta["redis_throttle_scope"])
             except ValueError as error:
                 self._bad_meta(request, str(error))
-        own_slot = meta.setdefault(OWN_SLOT_META, meta.get("download_slot"))
+        own_slot = _own_slot(request)
         if own_slot is not None and scope.function is None:
             if not (isinstance(own_slot, str) and own_slot):
                 self._bad_meta(
@@ -119,13 +123,36 @@ def _normalized(name: str) -> str:
         return ""
 
 
+def _own_slot(request: Request) -> object:
+    """The project's own download_slot of *request* (None: none; see OWN_SLOT_META)."""
+    meta = request.meta
+    seen = meta.get(OWN_SLOT_META)
+    if isinstance(seen, list) and len(seen) == 2:
+        redirected_from = meta.get("redirect_urls") or [None]
+        if seen[0] == request.url:
+            return seen[1]
+        if seen[0] == redirected_from[-1]:  # a redirect of the request seen
+            meta[OWN_SLOT_META] = [request.url, seen[1]]
+            return seen[1]
+    own = meta.get("download_slot")
+    meta[OWN_SLOT_META] = [request.url, own]
+    return own
+
+
 class ServerAddresses:
     """The server address of each host, as Scrapy's resolver finds it: from its DNS cache, else
     one lookup through the reactor's resolver (``TWISTED_DNS_RESOLVER``), shared by the requests
-    that wait for it, which fills that cache for the download: no second lookup."""
+    that wait for it, which fills that cache for the download (no second lookup, with Scrapy's
+    caching resolvers and DNSCACHE_ENABLED). A host that does not resolve within *timeout*
+    seconds is its own domain (its download fails too)."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: float) -> None:
+        self._timeout = timeout
         self._lookups: dict[str, asyncio.Future[str | None]] = {}
+
+    def close(self) -> None:
+        for lookup in list(self._lookups.values()):
+            lookup.cancel()
 
     def cached(self, host: str) -> str | None:
         """*host*'s address if it is one, or Scrapy's DNS cache holds it (else None)."""
@@ -147,7 +174,11 @@ class ServerAddresses:
         if lookup is None:
             lookup = self._lookups[host] = asyncio.ensure_future(_resolve(host))
             lookup.add_done_callback(lambda _: self._lookups.pop(host, None))
-        return await asyncio.shield(lookup) or host
+        # Not wait_for: the lookup goes on for the other requests that wait for it.
+        await asyncio.wait([lookup], timeout=self._timeout)
+        if not lookup.done() or lookup.cancelled():
+            return host
+        return lookup.result() or host
 
 
 class _Receiver:
@@ -164,7 +195,8 @@ class _Receiver:
         self.addresses.append(address)
 
     def resolutionComplete(self) -> None:
-        self.done.callback(None)
+        if not self.done.called:  # once, whatever the resolver does
+            self.done.callback(None)
 
 
 async def _resolve(host: str) -> str | None:

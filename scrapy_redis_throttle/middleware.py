@@ -14,6 +14,7 @@ import logging
 import math
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NoReturn
+from weakref import WeakKeyDictionary
 
 from scrapy import exceptions, signals
 from scrapy.utils.asyncio import is_asyncio_available
@@ -83,7 +84,10 @@ class RedisThrottleMiddleware:
         )
         self.parking: ParkingArea | None = None
         self.rejections = Rejections(crawler.stats, self._log_extra)
-        self.domains = Domains(self.config.scope, crawler.stats)
+        self.domains = Domains(self.config.scope, crawler.stats, self.config.crawl.dns_timeout)
+        # The domain each request in flight was throttled under: its failure counts against
+        # that one (a new look might differ: the "ip" scope's DNS may answer otherwise).
+        self._sent: WeakKeyDictionary[Request, str] = WeakKeyDictionary()
         self.crawl_delays = CrawlDelays(
             crawler, self.config, self.rejections, self._log_extra, self.domains
         )
@@ -158,6 +162,7 @@ class RedisThrottleMiddleware:
             )
 
     async def _spider_closed(self, spider: Spider) -> None:
+        self.domains.close()
         await self.pauses.stop()
         await self.activity.stop()
         await self.budget.aclose()
@@ -179,6 +184,7 @@ class RedisThrottleMiddleware:
             stats.inc_value(f"{STATS_PREFIX}/skipped")
             return None
         domain, limit = await self._budget(request)
+        self._sent[request] = domain
         if ticket is not None:
             self.activity.park(ticket.domain, -1)  # back from the parking area
             if ticket.domain != domain:  # its scope names another budget now: it asks anew
@@ -266,7 +272,10 @@ class RedisThrottleMiddleware:
         meta = request.meta
         if meta.get("dont_redis_throttle") or meta.get("redis_throttle_penalty", True) is False:
             return "", None
-        return await self._budget(request)
+        domain = self._sent.get(request)
+        if domain is None:
+            return await self._budget(request)
+        return domain, self._limit(domain)
 
     async def _slow_down(
         self, request: Request, domain: str, limit: Limit, cause: str, hold: float = 0
@@ -297,8 +306,11 @@ class RedisThrottleMiddleware:
         domain = await self.domains.of(request)
         if not domain:
             return "", None
+        return domain, self._limit(domain)
+
+    def _limit(self, domain: str) -> Limit | None:
         configured = self.config.limits.lookup(domain, self.config.scope.wildcards_cover_domains)
-        return domain, self.crawl_delays.limit(domain, configured)
+        return self.crawl_delays.limit(domain, configured)
 
     def _cost(self, request: Request, limit: Limit) -> float:
         cost = request.meta.get("redis_throttle_cost", 1)

@@ -17,6 +17,9 @@ from local_redis import RedisServer
 from loopback_names import LoopbackNames, resolving
 from scrapy import Request, signals
 from scrapy.settings import Settings
+from scrapy.statscollectors import MemoryStatsCollector
+from scrapy.utils.httpobj import urlparse_cached
+from scrapy.utils.test import get_crawler
 from support import (
     ARRIVAL_JITTER,
     achieved_rate,
@@ -30,10 +33,18 @@ from support import (
     run_crawl,
     start_crawl_workers,
 )
+from twisted.internet.address import IPv4Address
 
 from scrapy_redis_throttle import ThrottleConfig, ThrottleConfigError
+from scrapy_redis_throttle.domains import Domains, ServerAddresses
 from scrapy_redis_throttle.rates import build_table
-from scrapy_redis_throttle.scopes import HOST, IP, REGISTRABLE_DOMAIN, registrable_domain
+from scrapy_redis_throttle.scopes import (
+    HOST,
+    IP,
+    REGISTRABLE_DOMAIN,
+    parse_scope,
+    registrable_domain,
+)
 
 A, B, C = HOSTS
 HAS_ROBOTS_SIGNAL = hasattr(signals, "robots_parsed")
@@ -372,3 +383,60 @@ async def test_a_crawl_delay_is_the_hosts_whatever_the_meta_of_its_first_request
     went = released(stats, A)
     gaps = [later - earlier for earlier, later in itertools.pairwise(went)]
     assert min(gaps) >= 1 - ARRIVAL_JITTER, f"gaps between the pages: {gaps}"
+
+
+def domains(scope: str = HOST, dns_timeout: float = 60) -> Domains:
+    return Domains(
+        parse_scope(scope, source="test"), MemoryStatsCollector(get_crawler()), dns_timeout
+    )
+
+
+@async_test
+async def test_the_projects_own_slot_is_the_one_a_request_came_with() -> None:
+    """Scrapy's downloader sets meta["download_slot"] to the host name; retries, redirects and
+    requests made with a copy of the meta carry it on. Only a slot the project gave a request
+    of that URL is the project's own."""
+    of = domains(REGISTRABLE_DOMAIN).of
+    first = Request("http://www.shop.com/1")
+    assert await of(first) == "shop.com"
+    first.meta["download_slot"] = "www.shop.com"  # as Scrapy's downloader does
+    assert await of(first.copy()) == "shop.com", "a retry"
+    hops = ["http://www.shop.com/1", "http://img.other.org/2", "http://a.third.net/3"]
+    request = first
+    for hop, url in enumerate(hops[1:]):
+        meta = {**request.meta, "redirect_urls": hops[: hop + 1]}
+        request = Request(url, meta=meta)
+        assert await of(request) == registrable_domain(urlparse_cached(request).hostname or "")
+        request.meta["download_slot"] = urlparse_cached(request).hostname
+    own = Request("http://img.shop.com/4", meta={**first.meta, "download_slot": "mine"})
+    assert await of(own) == "mine", "a slot the project gave, with a copy of the meta"
+    assert await of(own.copy()) == "mine"
+
+
+class Resolver:
+    """A name resolver that never answers, or answers twice."""
+
+    def __init__(self, answers: bool) -> None:
+        self.answers = answers
+
+    def resolveHostName(self, receiver: Any, host: str, *args: Any, **kwargs: Any) -> None:
+        if self.answers:
+            receiver.addressResolved(IPv4Address("TCP", "127.0.0.9", 0))
+            receiver.resolutionComplete()
+            receiver.resolutionComplete()
+
+
+@pytest.mark.parametrize("answers", [False, True], ids=["never-answers", "answers-twice"])
+@async_test
+async def test_an_address_lookup_is_bounded_and_taken_once(answers: bool) -> None:
+    from twisted.internet import reactor
+
+    original = reactor.nameResolver
+    reactor.installNameResolver(Resolver(answers))
+    try:
+        addresses = ServerAddresses(timeout=0.2)
+        address = await addresses.of("www.shop.com")
+        addresses.close()
+    finally:
+        reactor.installNameResolver(original)
+    assert address == ("127.0.0.9" if answers else "www.shop.com")
