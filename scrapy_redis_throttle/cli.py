@@ -263,9 +263,9 @@ def _table(
         "adaptive",
     )
     rows = [header]
+    covers = config.scope.wildcards_cover_domains
     for state in states:
         went, waiting = activity.get(state.domain, (0, 0))
-        covers = config.scope.wildcards_cover_domains
         code = config.limits.lookup(state.domain, covers) if in_project else None
         limit = _effective(state, code)
         tokens = (

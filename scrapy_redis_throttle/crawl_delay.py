@@ -166,7 +166,7 @@ class CrawlDelays:
         # Several ports of one host, or hosts of one registrable domain, have a robots.txt each:
         # the longest delay counts.
         limit, netlocs = self._limits.pop(domain, (None, frozenset()))
-        netlocs |= {urlparse_cached(request).netloc}
+        netlocs |= {url.netloc}
         if limit is not None and 1 / limit.rate >= delay:
             self._keep(domain, limit, netlocs)
             return

@@ -46,7 +46,7 @@ class Domains:
         key = meta.get("redis_throttle_key")
         if key is not None:
             if not (isinstance(key, str) and key):
-                self._bad_meta(
+                self.bad_meta(
                     request, f"redis_throttle_key must be a non-empty string, got {shown(key)}"
                 )
             return self._meta_named(request, key)
@@ -55,11 +55,11 @@ class Domains:
             try:
                 scope = parse_meta_scope(meta["redis_throttle_scope"])
             except ValueError as error:
-                self._bad_meta(request, str(error))
+                self.bad_meta(request, str(error))
         own_slot = _own_slot(request)
         if own_slot is not None and scope.function is None:
             if not (isinstance(own_slot, str) and own_slot):
-                self._bad_meta(
+                self.bad_meta(
                     request, f"download_slot must be a non-empty string, got {shown(own_slot)}"
                 )
             return self._meta_named(request, own_slot)
@@ -103,10 +103,11 @@ class Domains:
         """*name*, a meta value or a host name, as a domain."""
         normalized = _normalized(name)
         if not normalized:
-            self._bad_meta(request, f"throttle key {shown(name)} is no name IDNA takes")
+            self.bad_meta(request, f"throttle key {shown(name)} is no name IDNA takes")
         return normalized
 
-    def _bad_meta(self, request: Request, message: str) -> NoReturn:
+    def bad_meta(self, request: Request, message: str) -> NoReturn:
+        """Fail *request* for an invalid meta value (counted)."""
         self._stats.inc_value(f"{STATS_PREFIX}/invalid_meta")
         raise InvalidThrottleMeta(f"{message} ({request})")
 

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import math
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 from weakref import WeakKeyDictionary
 
 from scrapy import exceptions, signals
@@ -27,7 +27,7 @@ from .config import STATS_PREFIX, ThrottleConfig
 from .connection import close, connect
 from .crawl_delay import CrawlDelays
 from .domains import Domains
-from .errors import InvalidThrottleMeta, ThrottleConfigError
+from .errors import ThrottleConfigError
 from .gc_freeze import freeze_startup_objects
 from .parking import TICKET_META, ParkingArea, attach, engine_scheduler
 from .penalties import Pauses, parse_retry_after
@@ -320,18 +320,16 @@ class RedisThrottleMiddleware:
             or not math.isfinite(cost)
             or cost <= 0
         ):
-            self._bad_meta(request, f"redis_throttle_cost must be a positive number, got {cost!r}")
+            self.domains.bad_meta(
+                request, f"redis_throttle_cost must be a positive number, got {cost!r}"
+            )
         if cost > limit.max_cost:
-            self._bad_meta(
+            self.domains.bad_meta(
                 request,
                 f"redis_throttle_cost {cost!r} exceeds {limit.max_cost:g}, the burst or count "
                 f"of {limit} for this domain, so the request could never go",
             )
         return float(cost)
-
-    def _bad_meta(self, request: Request, message: str) -> NoReturn:
-        self.stats.inc_value(f"{STATS_PREFIX}/invalid_meta")
-        raise InvalidThrottleMeta(f"{message} ({request})")
 
 
 def _source(request: Request, domain: str) -> str:
