@@ -113,11 +113,13 @@ async def test_a_slow_domain_does_not_starve_the_others(
     stats = crawler.stats.get_stats()
     assert_released_paced(stats, site.arrivals(SLOW), 1 / 3, 1, SLOW)
     assert achieved_rate(slow, 1, missed_moments(stats, SLOW)) >= 0.9 / 3
-    assert stats["redis_throttle/park_requests"] == 3
-    assert stats["redis_throttle/parked"] == 3
+    # A request whose moment a busy worker missed asks anew, and waits parked again (seen
+    # with two test suites side by side on 2 cores); with none missed, one call per request.
+    missed = stats.get("redis_throttle/missed_moments", 0)
+    assert stats["redis_throttle/park_requests"] == 3 + missed
+    assert stats["redis_throttle/parked"] == 3 + missed
     assert stats["redis_throttle/requests"] == 4
-    assert stats["redis_throttle/redis_calls"] == 4, "one call per request: tokens reserved"
-    assert "redis_throttle/missed_moments" not in stats
+    assert stats["redis_throttle/redis_calls"] == 4 + missed, "tokens reserved in the call"
     assert "redis_throttle/parked_not_crawled" not in stats, "nothing left parked at the close"
 
 
