@@ -68,9 +68,9 @@ class Releases(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         if str(record.msg).startswith(MISSED_MESSAGE) and isinstance(record.args, Mapping):
-            self._add(MISSED, str(record.args["domain"]))
+            self._add(MISSED, str(record.args["domain"]), time.time())
 
-    def _add(self, kind: str, domain: str, at: float = 0.0) -> None:
+    def _add(self, kind: str, domain: str, at: float) -> None:
         if kind == RELEASED:
             self.released[domain].append(at)
         else:
@@ -96,14 +96,17 @@ class Releases(logging.Handler):
             self._log.close()
 
 
-def read_dir(directory: Path) -> list[dict[str, Any]]:
-    """What the crawls with ``RELEASES_DIR`` = *directory* wrote, as stats (one per process)."""
+def read_dir(directory: Path, since: float = 0.0) -> list[dict[str, Any]]:
+    """What the crawls with ``RELEASES_DIR`` = *directory* wrote, as stats (one per process),
+    from *since* (wall time) on."""
     every = []
     for path in sorted(directory.glob("releases-*.jsonl")):
         released: defaultdict[str, list[float]] = defaultdict(list)
         missed: Counter[str] = Counter()
         for line in path.read_text().splitlines():
             kind, domain, at = json.loads(line)
+            if at < since:
+                continue
             if kind == RELEASED:
                 released[domain].append(at)
             else:

@@ -77,12 +77,16 @@ async def test_two_domains_are_paced_at_their_own_rates(
         assert achieved >= 0.9 * rate, f"{host}: {achieved:.2f}/s achieved, limit {rate}/s"
     assert stats["test/responses"] == 30
     assert stats["redis_throttle/requests"] == 30
-    assert stats["redis_throttle/allowed_immediately"] == 2, "one request per domain, the burst"
-    assert stats["redis_throttle/delayed"] == 28
+    # One request per domain goes at once, the burst, unless its worker was too busy to send
+    # it at its moment (missed: it asks anew; seen with two test suites side by side).
+    missed = stats.get("redis_throttle/missed_moments", 0)
+    immediately = stats.get("redis_throttle/allowed_immediately", 0)
+    assert 2 - missed <= immediately <= 2, "one request per domain, the burst"
+    assert immediately + stats["redis_throttle/delayed"] == 30
     assert 3.5 < stats["redis_throttle/wait_time_max"] < 5
     assert stats["redis_throttle/wait_time_total"] > stats["redis_throttle/wait_time_max"]
     # One call per request, even when it waits: its tokens are reserved in that call.
-    assert stats["redis_throttle/redis_calls"] == 30
+    assert stats["redis_throttle/redis_calls"] == 30 + missed
     # On a server of its own: clients of other tests (scrapy-redis never closes its) may linger.
     with own_redis.client() as client:
         assert len(client.client_list()) == 1, "the crawl closed its connections"

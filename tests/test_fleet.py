@@ -80,9 +80,10 @@ class Fleet:
         finally:
             stop_workers(self.workers)
 
-    def releases(self) -> list[dict[str, Any]]:
-        """What the workers' throttles did (see :mod:`releases`), as stats."""
-        return read_releases(self.logs)
+    def releases(self, since: float = 0.0) -> list[dict[str, Any]]:
+        """What the workers' throttles did (see :mod:`releases`) from *since* (wall time) on,
+        as stats."""
+        return read_releases(self.logs, since)
 
 
 def limit_of(host: str) -> Limit:
@@ -165,11 +166,11 @@ def test_a_killed_worker_does_not_stop_the_others_from_keeping_the_limit(
     wait_until(lambda: len(site.arrivals(host)) >= 12, timeout=60, message=f"12 arrivals at {host}")
     workers[0].send_signal(signal.SIGKILL)
     workers[0].wait(timeout=10)
-    killed_at = max(a.time for a in site.arrivals(host))
+    killed_at = max(a.wall_time for a in site.arrivals(host))
     # The rate is measured once the killed worker's reservations have passed.
     resumed_at = killed_at + LOST_RESERVATIONS
     wait_until(
-        lambda: sum(a.time > resumed_at for a in site.arrivals(host)) >= 24,
+        lambda: sum(a.wall_time > resumed_at for a in site.arrivals(host)) >= 24,
         timeout=60,
         message=f"24 more arrivals at {host} after a worker was killed",
     )
@@ -183,6 +184,11 @@ def test_a_killed_worker_does_not_stop_the_others_from_keeping_the_limit(
         assert_released_paced(
             releases, site.arrivals(each), each_limit.rate, each_limit.burst, each
         )
-    after = [a.time for a in site.arrivals(host) if a.time > resumed_at]
-    achieved = (len(after) - 1) / (max(after) - min(after))
-    assert achieved >= 0.9 * limit.rate, f"after the kill: {achieved:.2f}/s, limit {limit}"
+    after = [a.wall_time for a in site.arrivals(host) if a.wall_time > resumed_at]
+    # A slot a busy worker missed is lost, for politeness (seen: 3.53/s with two test suites
+    # side by side on 2 cores).
+    missed = missed_moments(fleet_run.releases(since=resumed_at), host)
+    achieved = achieved_rate(after, limit.burst, missed)
+    assert achieved >= 0.9 * limit.rate, (
+        f"after the kill: {achieved:.2f}/s with {missed} missed moments, limit {limit}"
+    )
