@@ -5,7 +5,8 @@ real public suffixes (``a.shop.com``) reach the demo site, with no edit to /etc/
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from scrapy.resolver import HostResolution
@@ -16,6 +17,20 @@ from twisted.internet.address import IPv4Address
 RESOLVER_SETTING = (
     "TWISTED_DNS_RESOLVER" if hasattr(default_settings, "TWISTED_DNS_RESOLVER") else "DNS_RESOLVER"
 )
+
+
+@contextmanager
+def name_resolver(resolver: Any) -> Iterator[None]:
+    """The reactor resolves names with *resolver* meanwhile (an in-process crawl: Scrapy's
+    CrawlerRunner installs no resolver of its settings)."""
+    from twisted.internet import reactor
+
+    original = reactor.nameResolver
+    reactor.installNameResolver(resolver)
+    try:
+        yield
+    finally:
+        reactor.installNameResolver(original)
 
 
 def resolving(names: Mapping[str, str]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from demo_site import HOSTS, DemoSite
 from local_redis import RedisServer
-from loopback_names import LoopbackNames, resolving
+from loopback_names import LoopbackNames, name_resolver, resolving
 from scrapy import Request, signals
 from scrapy.settings import Settings
 from scrapy.statscollectors import MemoryStatsCollector
@@ -321,16 +321,11 @@ def test_a_crawl_delay_of_a_host_paces_every_host_of_the_domain(
 
 @pytest.fixture
 def shop_names() -> Iterator[None]:
-    """www.shop.com and img.shop.com resolve to the demo site in this process too (Scrapy's
-    CrawlerRunner installs no resolver of its settings)."""
+    """www.shop.com and img.shop.com resolve to the demo site in this process too."""
     from twisted.internet import reactor
 
-    original = reactor.nameResolver
-    LoopbackNames(reactor, {"www.shop.com": A, "img.shop.com": B}).install_on_reactor()
-    try:
+    with name_resolver(LoopbackNames(reactor, {"www.shop.com": A, "img.shop.com": B})):
         yield
-    finally:
-        reactor.installNameResolver(original)
 
 
 @async_test
@@ -429,14 +424,8 @@ class Resolver:
 @pytest.mark.parametrize("answers", [False, True], ids=["never-answers", "answers-twice"])
 @async_test
 async def test_an_address_lookup_is_bounded_and_taken_once(answers: bool) -> None:
-    from twisted.internet import reactor
-
-    original = reactor.nameResolver
-    reactor.installNameResolver(Resolver(answers))
-    try:
+    with name_resolver(Resolver(answers)):
         addresses = ServerAddresses(timeout=0.2)
         address = await addresses.of("www.shop.com")
         addresses.close()
-    finally:
-        reactor.installNameResolver(original)
     assert address == ("127.0.0.9" if answers else "www.shop.com")
