@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from redis.crc import key_slot
@@ -32,6 +32,8 @@ from .server_clock import ServerClock
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+
+    from redis.asyncio.cluster import ClusterNode
 
     from .config import Adaptive, Backoff
     from .connection import ThrottleRedis
@@ -194,10 +196,9 @@ class TokenBucket:
         """Domains whose limit set live has quotas (or had)."""
         self._clock = ServerClock()
         """Redis's clock, from the acquires' replies (one Redis)."""
-        self._slot_clocks: dict[int, ServerClock] | None = (
-            {} if isinstance(redis, ClusterClient) else None
-        )
-        """On a Redis Cluster, each slot's (see :meth:`clock`): at most 16,384."""
+        self._node_clocks: dict[str, ServerClock] = {}
+        """On a Redis Cluster, each primary's, by its address (see :meth:`clock`): as many as
+        the cluster has told of, at most one per slot."""
         self._script = lua_script(redis, "token_bucket.lua")
         self._penalty_script = lua_script(redis, "penalty.lua")
         self._slow_down_script = lua_script(redis, "slow_down.lua")
@@ -218,6 +219,7 @@ class TokenBucket:
             keys = [key, key + RATE_SUFFIX, key + QUOTA_SUFFIX, key + LOG_SUFFIX]
         else:
             keys = [key, key + RATE_SUFFIX] if self._adaptive else [key]
+        clock = await self._known_clock(key)
         loop = asyncio.get_running_loop()
         sent = loop.time()
         reply: list[Any] = await self._script(keys=keys, args=args)
@@ -229,29 +231,35 @@ class TokenBucket:
                 self._live_quotas.clear()  # bounded: a domain forgotten costs one call more
             self._live_quotas.add(domain)
             return await self.acquire(domain, limit, cost, reserve, busy_for)
-        return parse_reply(reply, limit, self._clock_of(key).decided_at(sent, read, reply[3]))
+        return parse_reply(reply, limit, clock.decided_at(sent, read, reply[3]))
 
     def clock(self, domain: str) -> ServerClock:
-        """Redis's clock as *domain*'s bucket sees it. On a Redis Cluster, that of the bucket's
-        slot: each node has its own clock, and a moment one gave is read by its clock alone (a
-        slot that moves to another node starts its clock again, see :class:`.ServerClock`)."""
-        return self._clock_of(bucket_key(self._key_prefix, domain))
-
-    def _clock_of(self, key: str) -> ServerClock:
-        """The clock of the bucket *key* (see :meth:`clock`)."""
-        if self._slot_clocks is None:
+        """Redis's clock as *domain*'s bucket sees it. On a Redis Cluster, that of the primary
+        that serves the bucket's slot, as the cluster last said: each node has its own clock,
+        and a moment one gave is read by its clock alone (a reply from another node, the slot
+        moved, starts the clock again, see :class:`.ServerClock`)."""
+        if not isinstance(self._redis, ClusterClient):
             return self._clock
-        slot = key_slot(key.encode())
-        clock = self._slot_clocks.get(slot)
-        if clock is None:
-            clock = self._slot_clocks[slot] = ServerClock()
+        key = bucket_key(self._key_prefix, domain)
+        primary = self._redis.known_primary_for(key_slot(key.encode()))
+        return ServerClock() if primary is None else self._node_clock(primary)
+
+    async def _known_clock(self, key: str) -> ServerClock:
+        """The clock of the bucket *key* (see :meth:`clock`), read first from Redis's
+        ``TIME`` if it knows no recent bounds (see :meth:`.ServerClock.follow`)."""
+        if not isinstance(self._redis, ClusterClient):
+            await self._clock.follow(self._redis.time)
+            return self._clock
+        primary = await self._redis.primary_for(key_slot(key.encode()))
+        clock = self._node_clock(primary)
+        await clock.follow(partial(self._redis.time, target_nodes=primary))
         return clock
 
-    async def read_time(self) -> None:
-        """Learn Redis's clock before the first acquire (see :meth:`.ServerClock.read_time`);
-        on a Redis Cluster, each slot's clock learns from its first replies."""
-        if self._slot_clocks is None:
-            await self._clock.read_time(self._redis)
+    def _node_clock(self, node: ClusterNode) -> ServerClock:
+        clock = self._node_clocks.get(node.name)
+        if clock is None:
+            clock = self._node_clocks[node.name] = ServerClock()
+        return clock
 
     async def penalize(
         self, domain: str, limit: Limit, retry_after: float | None, backoff: Backoff

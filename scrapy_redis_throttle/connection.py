@@ -69,6 +69,12 @@ class ClusterClient(RedisCluster):
             self.slots_moved()
             raise ClusterError(str(exc)) from exc
 
+    def known_primary_for(self, slot: int) -> ClusterNode | None:
+        """The primary that serves *slot*, as the cluster last said (None: not read yet, or
+        not served)."""
+        nodes = self.nodes_manager.slots_cache.get(slot)
+        return nodes[0] if nodes else None
+
     def slots_moved(self) -> None:
         """A node said a slot has moved, or failed: the slots are read again before the next
         script call is routed."""

@@ -410,7 +410,7 @@ class RedisParking:
         encoded = encode_request(wire, self._spider)  # Unparkable: before anything is done
         # The call may wait for the connection: its delay counts from Redis's time now (see
         # park.lua's ARGV[3]), not from when Redis runs it.
-        await self._clock.follow(self._redis)
+        await self._clock.follow(self._redis.time)
         now = asyncio.get_running_loop().time()
         delay = max(0.0, ticket.due - now)
         asked = self._clock.server_us(now)
@@ -460,7 +460,7 @@ class RedisParking:
         return False
 
     async def unpark(self, ahead: float, limit: int) -> tuple[list[Parked], float | None]:
-        await self._clock.follow(self._redis)
+        await self._clock.follow(self._redis.time)
         loop = asyncio.get_running_loop()
         sent = loop.time()
         keys, args = [self.key, self.index_key], [repr(ahead * 1e6), limit]

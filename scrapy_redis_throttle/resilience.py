@@ -274,11 +274,10 @@ class ResilientBucket:
 
     async def check(self) -> None:
         """PING Redis at start-up, so that an unavailable Redis is reported before the first
-        request (and the first requests go by the policy at once), read its clock and the
-        fleet's secret."""
+        request (and the first requests go by the policy at once), and read the fleet's
+        secret."""
         try:
             await ping(self._redis)
-            await self._bucket.read_time()
         except RedisError as exc:
             self._failed(exc)
             return

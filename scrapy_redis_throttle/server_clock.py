@@ -10,13 +10,15 @@ site saw its request squeezed against the next one, placed on time by another re
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .redis_schema import server_micros
 
 if TYPE_CHECKING:
-    from redis.asyncio import Redis
-    from redis.asyncio.cluster import RedisCluster
+    from collections.abc import Awaitable, Callable
+
+    # Reads Redis's TIME (seconds, microseconds): Redis.time, or a cluster node's.
+    ServerTime = Callable[[], Awaitable[Any]]
 
 # How many times to read Redis's TIME before the first replies: the narrowest bounds of a few
 # round trips at start-up, when a process is busy, are fair first bounds.
@@ -61,23 +63,29 @@ class ServerClock:
             return None
         return server_us / 1e6 + self._bounds()[0]
 
+    def placed(self, moment: float, moment_us: float | None) -> float:
+        """A *moment* (loop time) placed by earlier bounds, as the recent bounds place it
+        (*moment_us*: the same by Redis's clock; None: not given by Redis). Never later: a
+        moment placed by the wide bounds of a reply read late came too late, and the request
+        that holds it must know it (it would go squeezed against the next moment)."""
+        exact = None if moment_us is None else self.loop_time(moment_us)
+        return moment if exact is None else min(moment, exact)
+
     def _known_at(self, loop_time: float) -> bool:
         """Whether bounds of the last two generations tell the offset at *loop_time*."""
         return bool(self._generations) and loop_time < self._generation_ends + GENERATION
 
-    async def follow(self, client: Redis | RedisCluster) -> None:
-        """Read Redis's ``TIME`` (see :meth:`read_time`) unless recent replies bound the offset:
-        a call that counts from Redis's time by this clock must know it first."""
-        if self.server_us(asyncio.get_running_loop().time()) is None:
-            await self.read_time(client)
-
-    async def read_time(self, client: Redis | RedisCluster, reads: int = FIRST_READS) -> None:
-        """Learn the offset from Redis's ``TIME``, *reads* times: before the first replies, or
-        the first one would count from when it was read, late or not."""
+    async def follow(self, server_time: ServerTime) -> None:
+        """Unless recent replies bound the offset, learn it from Redis's ``TIME`` (read by
+        *server_time*), a few times: a call whose reply counts by this clock must know it
+        first, or an unknown clock would take that one reply's bounds alone, and a reply read
+        late (by a busy process) would place its moments that much late."""
         loop = asyncio.get_running_loop()
-        for _ in range(reads):
+        if self.server_us(loop.time()) is not None:
+            return
+        for _ in range(FIRST_READS):
             sent = loop.time()
-            seconds, micros = await client.time()
+            seconds, micros = await server_time()
             self.decided_at(sent, loop.time(), server_micros(seconds, micros))
 
     def decided_at(self, sent: float, read: float, server_us: float) -> float:

@@ -80,6 +80,7 @@ class Turns:
                 and await self._hold_until(
                     domain,
                     ticket.moment(self._budget.clock(domain)),
+                    ticket.moment_us,
                     ticket.reserved_at,
                     ticket.elsewhere,
                     ticket.locally,
@@ -132,7 +133,10 @@ class Turns:
                 delayed = True
                 if result.reserved:
                     moment = decided + result.retry_after
-                    if await self._hold_until(domain, moment, asked_at, local=not grant.shared):
+                    moment_us = result.moment_us if grant.shared else None
+                    if await self._hold_until(
+                        domain, moment, moment_us, asked_at, local=not grant.shared
+                    ):
                         self._went(request, domain, since, delayed)
                         return None
                     continue
@@ -146,16 +150,20 @@ class Turns:
         self,
         domain: str,
         moment: float,
+        moment_us: float | None,
         reserved_at: float,
         elsewhere: bool = False,
         local: bool = False,
     ) -> bool:
-        """Wait for the *moment* (loop time) reserved for *domain* at *reserved_at*: True when it
-        comes, False as soon as it is void (see :meth:`_still_reserved`) or missed (see
-        :meth:`_missed`)."""
+        """Wait for the *moment* (loop time; *moment_us*: by Redis's clock, if Redis gave it)
+        reserved for *domain* at *reserved_at*: True when it comes, False as soon as it is void
+        (see :meth:`_still_reserved`) or missed (see :meth:`_missed`)."""
         loop = asyncio.get_running_loop()
         while True:
             await self._pauses.sleep(domain, moment - loop.time())
+            # Placed by the bounds Redis's clock had then: those of a reply read late put it
+            # late, and the replies read since may tell that it has passed.
+            moment = self._budget.clock(domain).placed(moment, moment_us)
             if (
                 self._missed(domain, moment)
                 or not await self._still_reserved(domain, reserved_at, moment, elsewhere, local)

@@ -41,6 +41,7 @@ from scrapy_redis_throttle.control import LiveControl
 from scrapy_redis_throttle.rates import Limit, parse_limit
 from scrapy_redis_throttle.redis_schema import bucket_key
 from scrapy_redis_throttle.scripts import load_script
+from scrapy_redis_throttle.server_clock import FIRST_READS
 
 A, B, C = HOSTS
 PREFIX = "redis_throttle"
@@ -249,6 +250,50 @@ async def test_reserved_moments_go_back_on_a_cluster(redis_cluster: LocalCluster
     finally:
         await bucket.aclose()
         await close(client)
+
+
+@async_test
+async def test_each_primary_s_clock_is_read_before_its_first_reply(
+    redis_cluster: LocalCluster,
+) -> None:
+    """Each primary has a clock of its own, which its first script reply must not set alone: a
+    busy worker that read it late would place its moments that late, squeezed against the
+    next ones (seen on test_fleet's cluster). So each primary's TIME is read first, a few
+    times, once: its clock serves every domain it holds."""
+    client = connect(
+        ThrottleConfig.from_settings(
+            Settings({"REDIS_URL": UNUSED_URL, **redis_cluster.settings()})
+        )
+    )
+    bucket = TokenBucket(client, PREFIX)
+    limit = Limit(rate=1, burst=5, text="1/s")
+    domains = one_domain_per_primary(redis_cluster)
+    # A second domain on the first one's primary.
+    first_primary = redis_cluster.owner(redis_cluster.slot(bucket_key(PREFIX, domains[0])))
+    neighbour = next(
+        domain
+        for domain in (f"neighbour-{n}.example" for n in range(100))
+        if redis_cluster.owner(redis_cluster.slot(bucket_key(PREFIX, domain))) is first_primary
+    )
+    try:
+        for domain in [*domains, neighbour]:
+            assert bucket.clock(domain).server_us(0.0) is None or domain == neighbour
+            result = await bucket.acquire(domain, limit)
+            assert result.allowed, domain
+            assert bucket.clock(domain).server_us(asyncio.get_running_loop().time()) is not None
+        assert bucket.clock(neighbour) is bucket.clock(domains[0])
+        assert len({id(bucket.clock(domain)) for domain in domains}) == 3
+    finally:
+        await bucket.aclose()
+        await close(client)
+    # TIME counts the reads, and each script's own (once per acquire).
+    time_calls = {
+        node.port: redis_cluster.info(node, "commandstats").get("cmdstat_time", {}).get("calls")
+        for node in redis_cluster.primaries()
+    }
+    acquires = {node.port: 1 for node in redis_cluster.primaries()}
+    acquires[first_primary.port] = 2
+    assert time_calls == {port: FIRST_READS + n for port, n in acquires.items()}
 
 
 @async_test

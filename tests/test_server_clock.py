@@ -3,8 +3,11 @@ when Redis decided a reply, by the bounds of the recent replies, never before it
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import redis.asyncio
+from support import async_test
 
 from scrapy_redis_throttle.bucket import TokenBucket
 from scrapy_redis_throttle.connection import ClusterClient
@@ -67,11 +70,29 @@ def test_a_clock_that_steps_forward_is_followed_at_once() -> None:
     assert clock.decided_at(12.0, 12.2, server_us(12.0005) + 1e6) == approx(12.001)
 
 
-def test_each_slot_of_a_redis_cluster_has_a_clock_of_its_own() -> None:
-    """The nodes of a Redis Cluster have clocks of their own: a domain's moments are read by
-    the clock of its bucket's slot, one Redis's by one clock (no connection is made here)."""
+@async_test
+async def test_a_moment_placed_late_is_placed_again_by_later_bounds() -> None:
+    """The first reply, read 190 ms late, placed its moment 190 ms late; a faster reply since
+    tells when it really is, which a request that held it must know (it missed it). Bounds
+    never place a moment later than before, nor does an unknown clock move it."""
+    now = asyncio.get_running_loop().time()
+    clock = ServerClock()
+    decided = clock.decided_at(now - 0.2, now - 0.01, server_us(now - 0.2))
+    moment, moment_us = decided + 0.25, server_us(now - 0.2 + 0.25)
+    assert moment == approx(now + 0.24)
+    assert clock.placed(moment, moment_us) == approx(moment)
+    clock.decided_at(now - 0.001, now, server_us(now - 0.0005))
+    assert clock.placed(moment, moment_us) == approx(now + 0.0505)
+    assert clock.placed(now + 0.01, moment_us) == approx(now + 0.01), "never later"
+    assert clock.placed(moment, None) == moment
+    assert ServerClock().placed(moment, moment_us) == moment
+
+
+def test_a_redis_cluster_is_not_asked_for_clocks_it_has_not_told_of() -> None:
+    """Each primary of a Redis Cluster has a clock of its own (see test_cluster.py); before the
+    cluster told where a bucket is, its clock is unknown (no connection is made here)."""
     cluster = TokenBucket(ClusterClient(host="127.0.0.1", port=1), "redis_throttle")
-    assert cluster.clock("a.example") is cluster.clock("a.example")
-    assert cluster.clock("a.example") is not cluster.clock("b.example")
+    assert cluster.clock("a.example").server_us(0.0) is None
+    assert cluster.clock("a.example") is not cluster.clock("a.example")
     one = TokenBucket(redis.asyncio.Redis(port=1), "redis_throttle")
     assert one.clock("a.example") is one.clock("b.example")
