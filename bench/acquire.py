@@ -7,8 +7,10 @@ that no check is refused (the cost of the check, not of waiting):
   the floor any Redis rate limiter pays;
 * ours: ``ResilientBucket.acquire``, what the middleware awaits for every request (circuit
   breaker, stats and local bookkeeping included), with the adaptive rate off (the default) and
-  on (each call then also reads the domain's lowered rate, none here), and with a sliding and a
-  fixed window on top of the bucket (the same quota: a domain's quotas);
+  on (each call then also reads the domain's lowered rate, none here), with a sliding and a
+  fixed window on top of the bucket (the same quota: a domain's quotas), and under 2 and 3 scopes
+  (``REDIS_THROTTLE_SCOPE``: the domain's bucket and a host's, and a proxy's of 10, each call
+  deciding for all of them at once);
 * limits: its moving window on redis-py (``limits.aio``, ``implementation="redispy"``);
 * throttled-py: its GCRA limiter on redis-py (``throttled.asyncio``).
 
@@ -29,6 +31,7 @@ import asyncio
 import statistics
 import sys
 import time
+import zlib
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -52,6 +55,8 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
     from redis.asyncio import Redis
+
+    from scrapy_redis_throttle.rates import Limit
 
 DOMAINS = [f"www.shop-{n}.example.com" for n in range(1000)]
 CONCURRENT_CALLERS = 16
@@ -114,7 +119,9 @@ async def minimal_bucket(url: str, quota: Quota) -> Contender:
     return Contender("minimal bucket (raw EVALSHA)", check, client.aclose)
 
 
-async def ours(url: str, quota: Quota, adaptive: bool = False, windows: bool = False) -> Contender:
+async def ours(
+    url: str, quota: Quota, adaptive: bool = False, windows: bool = False, scopes: int = 1
+) -> Contender:
     rate: object = quota.rate
     if windows:  # the same quota again, as each window algorithm
         per = f"{quota.requests}/{quota.per_seconds}s"
@@ -137,14 +144,22 @@ async def ours(url: str, quota: Quota, adaptive: bool = False, windows: bool = F
     limit = config.limits.lookup("any")
     assert limit is not None
 
+    # The other scopes' budgets: the key's host, and one of 10 proxies.
+    proxies = [f"proxy-{n}.example:8080" for n in range(10)]
+
+    def others(key: str) -> list[tuple[str, Limit]]:
+        names = [f"img.{key}", proxies[zlib.crc32(key.encode()) % len(proxies)]][: scopes - 1]
+        return [(name, limit) for name in names]
+
     async def check(key: str) -> object:
-        return await bucket.acquire(key, limit, 1)
+        return await bucket.acquire(key, limit, 1, others(key))
 
     async def close() -> None:
         await bucket.aclose()
         await client.aclose()
 
     name = "scrapy-redis-throttle" + (", adaptive" if adaptive else "")
+    name += f", {scopes} scopes" if scopes > 1 else ""
     return Contender(name + (", + 2 windows" if windows else ""), check, close)
 
 
@@ -154,6 +169,14 @@ async def ours_adaptive(url: str, quota: Quota) -> Contender:
 
 async def ours_windows(url: str, quota: Quota) -> Contender:
     return await ours(url, quota, windows=True)
+
+
+async def ours_two_scopes(url: str, quota: Quota) -> Contender:
+    return await ours(url, quota, scopes=2)
+
+
+async def ours_three_scopes(url: str, quota: Quota) -> Contender:
+    return await ours(url, quota, scopes=3)
 
 
 async def limits_moving_window(url: str, quota: Quota) -> Contender:
@@ -202,6 +225,8 @@ CONTENDERS = [
     ours,
     ours_adaptive,
     ours_windows,
+    ours_two_scopes,
+    ours_three_scopes,
     limits_moving_window,
     throttled_gcra,
 ]

@@ -11,6 +11,8 @@ from scrapy import Request
 from scrapy_redis_throttle import RedisThrottleMiddleware
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from scrapy.crawler import Crawler
     from scrapy.http import Response
 
@@ -27,9 +29,11 @@ class CountingThrottleMiddleware(RedisThrottleMiddleware):
         super().__init__(crawler)
         acquire = self.budget.acquire
 
-        async def counted(domain: str, limit: Limit, cost: float) -> Grant:
+        async def counted(
+            domain: str, limit: Limit, cost: float, others: Sequence[tuple[str, Limit]] = ()
+        ) -> Grant:
             _calls.get()[0] += 1
-            return await acquire(domain, limit, cost)
+            return await acquire(domain, limit, cost, others)
 
         self.budget.acquire = counted  # type: ignore[method-assign]
 

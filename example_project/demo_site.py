@@ -162,7 +162,7 @@ class DemoSite:
     *overload* gives, for some hosts, ``(requests, retry_after)``: a request that comes after
     that many in the last second gets a 429 with ``Retry-After: retry_after``; for the host
     ``"*"``, after that many to any of the hosts (a server that limits them together, as one
-    registrable domain's). *stalls* gives,
+    registrable domain's; a host may have its own limit too). *stalls* gives,
     for some ``(host, path)``, the seconds the first request for it waits for its answer (a
     download timeout for a client that waits less).
     """
@@ -246,12 +246,16 @@ class DemoSite:
             answers = self._errors.get((host, path))
             if answers:
                 return answers.pop(0)
-            counted = host if host in self._overload else "*"
-            if counted not in self._overload:
-                return None
-            most, retry_after = self._overload[counted]
-            recent = sum(counted in ("*", a.host) and a.time > arrived - 1 for a in self._arrivals)
-            return (429, {"Retry-After": str(retry_after)}) if recent >= most else None
+            for counted in (host, "*"):
+                if counted not in self._overload:
+                    continue
+                most, retry_after = self._overload[counted]
+                recent = sum(
+                    counted in ("*", a.host) and a.time > arrived - 1 for a in self._arrivals
+                )
+                if recent >= most:
+                    return 429, {"Retry-After": str(retry_after)}
+            return None
 
     def add_errors(
         self, where: tuple[str, str], answers: Sequence[tuple[int, Mapping[str, str]]]

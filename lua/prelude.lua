@@ -5,6 +5,7 @@
 --                      so many are read)
 --   MAX_SLIDING_COUNT  the largest count of a sliding window (its log holds a member per
 --                      request of the window)
+--   MAX_SCOPES         the most scopes a request is under (scopes.py): its domain's and others
 
 -- The longest interval (µs per token) and period, about 3 years: past what rates.py takes (at
 -- most 1/365d), and every moment stays an exact integer of a double.

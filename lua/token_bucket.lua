@@ -25,10 +25,14 @@
 --          window's "<window> <count>"
 -- KEYS[4]  (with more limits) the domain's log: a sorted set of the moments requests went, for
 --          the sliding windows
+-- KEYS[5..] (optional, after all four keys above) the buckets of the request's other scopes (at
+--          most MAX_SCOPES - 1; see scopes.py): each must allow the request too. ARGV ends with
+--          three arguments for each, in order: its interval, its burst (a limit set live in its
+--          bucket overrides them, and one paused live pauses the request) and its busy_for
 --
--- With more limits, a request goes (or reserves its moment) only when every limit allows it,
--- nothing is taken from any of them when one refuses, and the wait is the longest (or longer:
--- until a fixed window with room for it).
+-- With more limits or other scopes, a request goes (or reserves its moment) only when every limit
+-- and every bucket allows it, nothing is taken from any of them when one refuses, and the wait
+-- is the longest (or longer: until a fixed window with room for it).
 --
 -- Returns {status, retry_after_us, reset_after_us, now_us[, remaining][, step]}, integers
 -- (cheaper for Redis to reply than formatted floats; a microsecond is far below any rate's
@@ -36,10 +40,11 @@
 --   status          1: the request may go now (its tokens are taken);
 --                   2: reserved, it must go in retry_after_us (its tokens are taken);
 --                   0: refused, nothing is taken; it could go in retry_after_us;
---                   3: the domain is paused (set live), nothing is taken;
+--                   3: the domain (or another scope's bucket) is paused (set live), nothing is
+--                      taken;
 --                   4: the domain has more limits set live: call again with KEYS[2..4]
 --   retry_after_us  how long until the request may go (0 when it may go now)
---   reset_after_us  how long until the bucket is full again (the key's expiry); the caller
+--   reset_after_us  how long until the domain's bucket is full again (its key's expiry); the caller
 --                   derives the tokens left from it: burst - reset_after_us / interval
 --   now_us          when the script decided, by Redis's clock (µs since 2024-01-01): the
 --                   caller counts the times above from then, not from when it read the reply
@@ -83,6 +88,36 @@ local function limit_ok(algorithm, count, period)
     and (algorithm ~= "s" or count <= MAX_SLIDING_COUNT)
 end
 
+-- A bucket's limit set live (the fields bucket_read returns) over the workers' interval, burst and
+-- cost. Read from Redis, checked as the arguments are: a field that is no limit (garbage, written
+-- by hand) is ignored and the workers' own applies, never an error every request would get.
+-- Returns the interval, burst and cost that apply, and whether the live rate stands (its more
+-- limits with it).
+local function live_limit(interval, burst, cost, rate, live_burst)
+  local live_rate, live_count = tonumber(rate), tonumber(live_burst)
+  local rate_stands = live_rate and live_rate > 0 and 1000000 / live_rate > 0
+    and 1000000 / live_rate <= MAX_INTERVAL
+  if rate_stands then
+    interval = 1000000 / live_rate
+  end
+  if live_count and live_count >= 1 and live_count < math.huge
+      and live_count == math.floor(live_count) then
+    burst = live_count
+    cost = math.min(cost, burst)
+  end
+  return interval, burst, cost, rate_stands
+end
+
+-- A bucket's new time (µs, a whole number), written: it lives exactly as long as the bucket is
+-- not full (idle domains vanish), or with a limit set live (its *live* part) as long as that.
+local function bucket_write(key, new_tat, now, live)
+  if live == "" then
+    redis.call("SET", key, string.format("%d", new_tat), "PX", math.ceil((new_tat - now) / 1000))
+  else
+    redis.call("SET", key, string.format("%d", new_tat) .. live)
+  end
+end
+
 -- One test of every argument on the way of every call (a function call per argument cost 6%
 -- more Redis CPU per call); number_arg names the bad one. Comparisons with NaN are false.
 local huge = math.huge
@@ -119,21 +154,20 @@ if paused == "1" then
   return {3, 0, 0, now}
 end
 if live ~= "" then
-  -- Read from Redis, checked as the arguments are: a field that is no limit (garbage, written
-  -- by hand) is ignored and the workers' own applies, never an error every request would get.
-  local live_rate, live_count = tonumber(rate), tonumber(live_burst)
-  if live_rate and live_rate > 0 and 1000000 / live_rate > 0
-      and 1000000 / live_rate <= MAX_INTERVAL then
-    interval = 1000000 / live_rate
-  else
+  local rate_stands
+  interval, burst, cost, rate_stands = live_limit(interval, burst, cost, rate, live_burst)
+  if not rate_stands then
     live_limits = nil
   end
-  if live_count and live_count >= 1 and live_count < huge
-      and live_count == math.floor(live_count) then
-    burst = live_count
-    cost = math.min(cost, burst)
-  end
 end
+
+-- The other scopes' buckets (KEYS[5..]), with their limits at the end of ARGV.
+local others = math.max(0, #KEYS - 4)
+if others > MAX_SCOPES - 1 then
+  return redis.error_reply("ERR redis_throttle: at most " .. MAX_SCOPES - 1 .. " other scopes, got "
+    .. others)
+end
+local more_end = #ARGV - 3 * others  -- the more limits' last argument
 
 -- The more limits (nil: none): those set live with the rate, else ARGV's.
 local limits
@@ -158,13 +192,13 @@ if live_limits and live_limits ~= "" then
   if #limits == 0 then
     limits = nil
   end
-elseif not live_limits and ARGV[6] then
-  if #ARGV > 5 + 3 * MAX_LIMITS then
+elseif not live_limits and more_end >= 6 then
+  if more_end > 5 + 3 * MAX_LIMITS then
     return redis.error_reply("ERR redis_throttle: at most " .. MAX_LIMITS .. " more limits, got "
-      .. (#ARGV - 5) / 3)
+      .. (more_end - 5) / 3)
   end
   limits = {}
-  for index = 6, #ARGV, 3 do
+  for index = 6, more_end, 3 do
     limits[#limits + 1] = {ARGV[index], ARGV[index + 1], ARGV[index + 2]}
   end
 end
@@ -195,6 +229,40 @@ end
 -- From the unrounded time, to the nearest µs: with an interval that is no whole number of µs,
 -- rounding up made the first request of a full bucket wait 1 µs instead of going.
 local wait = math.max(0, math.floor(tat + (cost - burst) * interval - now + 0.5))
+
+-- Each other scope's bucket: the request's moment is the latest of those they allow it too.
+local other_buckets = {}
+for n = 1, others do
+  local index = more_end + 3 * n - 2
+  local other_interval, other_burst, other_busy_for =
+    tonumber(ARGV[index]), tonumber(ARGV[index + 1]), tonumber(ARGV[index + 2])
+  if not (other_interval and other_burst and other_busy_for and other_interval > 0
+      and other_interval <= MAX_INTERVAL and other_burst >= 1 and other_burst < huge
+      and other_busy_for >= 0 and other_busy_for < huge) then
+    return redis.error_reply(string.format("ERR redis_throttle: scope %d's interval, burst and "
+      .. "busy_for must be finite numbers > 0 (at most 1e14), >= 1 and >= 0, got %s %s %s",
+      n + 1, tostring(ARGV[index]), tostring(ARGV[index + 1]), tostring(ARGV[index + 2])))
+  end
+  local other_cost = math.min(tonumber(ARGV[3]), other_burst)
+  if tonumber(ARGV[3]) > other_burst then
+    return redis.error_reply("ERR redis_throttle: cost " .. ARGV[3] .. " exceeds scope " .. n + 1
+      .. "'s burst " .. ARGV[index + 1])
+  end
+  local other_tat, other_live, other_rate, other_live_burst, other_paused =
+    bucket_read(KEYS[4 + n], now)
+  if other_paused == "1" then
+    return {3, 0, 0, now}
+  end
+  if other_live ~= "" then
+    other_interval, other_burst, other_cost =
+      live_limit(other_interval, other_burst, other_cost, other_rate, other_live_burst)
+  end
+  other_tat = math.max(other_tat or now, now + other_busy_for)
+  other_buckets[n] = {tat = other_tat, interval = other_interval, burst = other_burst,
+    cost = other_cost, live = other_live}
+  wait = math.max(wait,
+    math.floor(other_tat + (other_cost - other_burst) * other_interval - now + 0.5))
+end
 
 -- The more limits: the request's moment is the latest of the moments each one allows it,
 -- moved to the start of a fixed window with room where it must.
@@ -284,6 +352,25 @@ if limits then
   end
 end
 
+-- A bucket taken at a moment after it is free again (another scope's bucket, or the quotas, put
+-- the request later) stands idle until then, holding back its other requests (a whole domain's,
+-- a shared proxy's): GCRA's one time cannot keep its tokens before that moment for them. Unless
+-- it keeps one for a request now (a larger burst), nothing is taken: the request asks again at
+-- its moment, when its buckets may all be free.
+local function idles(bucket_tat, bucket_interval, bucket_burst, bucket_cost)
+  return now + wait > bucket_tat and math.max(bucket_tat, now + wait)
+    + (2 * bucket_cost - bucket_burst) * bucket_interval > now
+end
+if others > 0 and wait > 0 and wait <= reserve then
+  local idle = idles(tat, interval, burst, cost)
+  for _, other in ipairs(other_buckets) do
+    idle = idle or idles(other.tat, other.interval, other.burst, other.cost)
+  end
+  if idle then
+    reserve = -1
+  end
+end
+
 if wait > reserve then
   if limits then
     return {0, wait, math.ceil(tat - now), now, 0}
@@ -292,18 +379,18 @@ if wait > reserve then
 end
 
 local moment = now + wait
--- A moment the quotas put after the bucket's: the bucket counts the request then. Whole µs,
--- rounded up (the polite side): the time the request adds to, and the step it adds, which
--- unreserve.lua takes back out when a reserved request does not go.
-local base = math.ceil(limits and math.max(tat, moment) or tat)
+-- A moment the quotas or another scope put after the bucket's: the bucket counts the request
+-- then. Whole µs, rounded up (the polite side): the time the request adds to, and the step it
+-- adds, which unreserve.lua takes back out when a reserved request does not go (the other
+-- scopes' buckets keep it: they are not given back).
+local base = math.ceil((limits or others > 0) and math.max(tat, moment) or tat)
 local new_tat = math.ceil(base + cost * interval)
 local step = new_tat - base
 local reset_after = new_tat - now
-if live == "" then
-  -- The key lives exactly as long as the bucket is not full: idle domains vanish.
-  redis.call("SET", KEYS[1], string.format("%d", new_tat), "PX", math.ceil(reset_after / 1000))
-else
-  redis.call("SET", KEYS[1], string.format("%d", new_tat) .. live)  -- lives as long as its limit
+bucket_write(KEYS[1], new_tat, now, live)
+for n, other in ipairs(other_buckets) do
+  bucket_write(KEYS[4 + n], math.ceil(math.max(other.tat, moment) + other.cost * other.interval),
+    now, other.live)
 end
 if not limits then
   if wait > 0 then

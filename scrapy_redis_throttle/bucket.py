@@ -128,12 +128,23 @@ QUOTA_KEYS_NEEDED = 4
 LIVE_QUOTAS_KEPT = 10_000
 
 
-def script_args(limit: Limit, cost: float, reserve: float = 0, busy_for: float = 0) -> list[bytes]:
+def script_args(
+    limit: Limit,
+    cost: float,
+    reserve: float = 0,
+    busy_for: float = 0,
+    others: Sequence[tuple[str, Limit, float]] = (),
+) -> list[bytes]:
     """ARGV of ``token_bucket.lua``. ``busy_for`` is sent only when it is not 0 (the script's
-    default) or quotas follow: every argument costs client CPU on every request."""
+    default) or more arguments follow: every argument costs client CPU on every request."""
     args = _fixed_args(limit, cost, reserve)
-    if busy_for > 0 or limit.quotas:
-        return [*args, repr(busy_for * 1e6).encode(), *_quota_args(limit.quotas)]
+    if busy_for > 0 or limit.quotas or others:
+        return [
+            *args,
+            repr(busy_for * 1e6).encode(),
+            *_quota_args(limit.quotas),
+            *(part for _, other, busy in others for part in (*_other_args(other), _us(busy))),
+        ]
     return list(args)
 
 
@@ -142,6 +153,17 @@ def _fixed_args(limit: Limit, cost: float, reserve: float) -> tuple[bytes, ...]:
     # The same for every request of a domain: encoded once (repr keeps every digit of floats).
     values = repr(limit.interval_us), str(limit.burst), repr(float(cost)), repr(reserve * 1e6)
     return tuple(value.encode() for value in values)
+
+
+@lru_cache(maxsize=1024)
+def _other_args(limit: Limit) -> tuple[bytes, bytes]:
+    """Another scope's limit, as the script takes it: its rate and burst (see
+    ``lua/token_bucket.lua``; its more limits count only where it is a request's domain)."""
+    return repr(limit.interval_us).encode(), str(limit.burst).encode()
+
+
+def _us(seconds: float) -> bytes:
+    return b"0" if seconds <= 0 else repr(seconds * 1e6).encode()
 
 
 @lru_cache(maxsize=1024)
@@ -206,17 +228,26 @@ class TokenBucket:
         self._unreserve_script = lua_script(redis, "unreserve.lua")
 
     async def acquire(
-        self, domain: str, limit: Limit, cost: float = 1, reserve: float = 0, busy_for: float = 0
+        self,
+        domain: str,
+        limit: Limit,
+        cost: float = 1,
+        reserve: float = 0,
+        busy_for: float = 0,
+        others: Sequence[tuple[str, Limit, float]] = (),
     ) -> AcquireResult:
         """Take *cost* tokens from *domain*'s bucket if it has them, or reserve them if they will
-        be there within *reserve* seconds (atomically, in one call). The bucket counts as empty
-        for at least *busy_for* seconds (tokens the caller took while Redis was unavailable).
-        With the adaptive rate, tokens refill at the domain's lowered rate, if it has one."""
+        be there within *reserve* seconds (atomically, in one call), and as many from the
+        buckets of the request's *others* scopes (name, limit and busy_for), which must all
+        allow it (see :mod:`.scopes`). The bucket counts as empty for at least *busy_for*
+        seconds (tokens the caller took while Redis was unavailable). With the adaptive rate,
+        tokens refill at the domain's lowered rate, if it has one."""
         key = bucket_key(self._key_prefix, domain)
-        args = script_args(limit, cost, reserve, busy_for)
+        args = script_args(limit, cost, reserve, busy_for, others)
         with_quotas = bool(limit.quotas) or domain in self._live_quotas
-        if with_quotas:
+        if with_quotas or others:
             keys = [key, key + RATE_SUFFIX, key + QUOTA_SUFFIX, key + LOG_SUFFIX]
+            keys += [bucket_key(self._key_prefix, name) for name, _, _ in others]
         else:
             keys = [key, key + RATE_SUFFIX] if self._adaptive else [key]
         clock = await self._known_clock(key)
@@ -230,7 +261,7 @@ class TokenBucket:
             if len(self._live_quotas) >= LIVE_QUOTAS_KEPT:
                 self._live_quotas.clear()  # bounded: a domain forgotten costs one call more
             self._live_quotas.add(domain)
-            return await self.acquire(domain, limit, cost, reserve, busy_for)
+            return await self.acquire(domain, limit, cost, reserve, busy_for, others)
         return parse_reply(reply, limit, clock.decided_at(sent, read, reply[3]))
 
     def clock(self, domain: str) -> ServerClock:
@@ -243,6 +274,17 @@ class TokenBucket:
         key = bucket_key(self._key_prefix, domain)
         primary = self._redis.known_primary_for(key_slot(key.encode()))
         return ServerClock() if primary is None else self._node_clock(primary)
+
+    async def read_time(self) -> None:
+        """Learn Redis's clock before the first requests (see :meth:`.ServerClock.follow`),
+        each primary's on a Redis Cluster: a clock learned at their first call would let the
+        requests that come meanwhile wait for it."""
+        if not isinstance(self._redis, ClusterClient):
+            await self._clock.follow(self._redis.time)
+            return
+        await self._redis.initialize()
+        for primary in self._redis.get_primaries():
+            await self._node_clock(primary).follow(partial(self._redis.time, target_nodes=primary))
 
     async def _known_clock(self, key: str) -> ServerClock:
         """The clock of the bucket *key* (see :meth:`clock`), read first from Redis's

@@ -149,12 +149,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _domain(text: str) -> str:
-    """DOMAIN as the workers' domains are (see :func:`.rates.normalize_domain`); a URL or a
-    port, which no worker's domain holds, is refused."""
-    if "/" in text or _PORT.fullmatch(text) or not text.strip():
+    """DOMAIN as the workers' domains are (see :func:`.rates.normalize_domain`); a URL, or a
+    port without a host or that is no number, which no worker's budget holds, is refused (a
+    proxy's budget is ``host:port``, see :func:`.scopes.proxy_name`)."""
+    port = _PORT.fullmatch(text)
+    if "/" in text or (port and not _PROXY.fullmatch(text)) or not text.strip():
         raise ThrottleConfigError(
-            f"DOMAIN: expected a host name (or a redis_throttle_key), not a URL or a port: "
-            f"{text!r:.200}"
+            f"DOMAIN: expected a host name (or a redis_throttle_key, or a proxy's host:port), "
+            f"not a URL or a port: {text!r:.200}"
         )
     try:
         return normalize_domain(text.strip())
@@ -162,8 +164,9 @@ def _domain(text: str) -> str:
         raise ThrottleConfigError(f"DOMAIN: {text!r:.200} is no name IDNA takes") from None
 
 
-# host:port (an IPv6 address has more colons).
+# host:port (an IPv6 address has more colons), and a proxy's budget: a host and a port.
 _PORT = re.compile(r"[^:]*:\d*")
+_PROXY = re.compile(r"(?:[^:\[\]]+|\[[0-9a-fA-F:.]+\]):[1-9]\d{0,4}")
 
 
 def _config(args: argparse.Namespace) -> ThrottleConfig:

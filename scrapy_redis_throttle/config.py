@@ -26,7 +26,7 @@ from .redis_settings import (
     read_sentinel,
     redact_url,
 )
-from .scopes import HOST, Scope, parse_scope
+from .scopes import HOST, Scope, parse_scopes
 from .setting_values import (
     get_dict,
     get_flag,
@@ -149,7 +149,9 @@ def _queue_redis(settings: BaseSettings) -> tuple[str, Mapping[str, Any]] | Thro
 class ThrottleConfig:
     limits: LimitTable
     scope: Scope
-    """What a limit is kept per (see :mod:`.scopes`)."""
+    """What a limit is kept per: the scope of a request's domain (see :mod:`.scopes`)."""
+    other_scopes: tuple[Scope, ...]
+    """The scopes whose budgets must allow a request too (see :mod:`.scopes`)."""
     redis_url: str
     redis_params: Mapping[str, Any]
     sentinel: Sentinel | None
@@ -248,6 +250,19 @@ class ThrottleConfig:
         redis_url = read_redis_url(settings)
         redis_params = read_redis_params(settings)
         sentinel = read_sentinel(settings)
+        cluster = read_cluster(settings, redis_url, redis_params, sentinel)
+        source, value = (
+            ("REDIS_THROTTLE_SCOPE", get_value(settings, "REDIS_THROTTLE_SCOPE", HOST))
+            if spider_scope is None
+            else (f"spider attribute {SCOPE_ATTRIBUTE}", spider_scope)
+        )
+        scopes = parse_scopes(value, source=source)
+        if len(scopes) > 1 and cluster is not None:
+            # One call decides for all of a request's budgets: their keys must be on one node.
+            raise ThrottleConfigError(
+                f"{source}: several scopes need one Redis (or Sentinel), not a Redis Cluster, "
+                f"got {', '.join(map(str, scopes))}"
+            )
         return cls(
             on_redis_error=on_redis_error,
             fallback_workers=_fallback_workers(settings),
@@ -281,17 +296,12 @@ class ThrottleConfig:
                 settings, "REDIS_THROTTLE_MAX_CRAWL_DELAY", DEFAULT_MAX_CRAWL_DELAY, minimum=0.001
             ),
             limits=build_table(entries, default, default_burst),
-            scope=(
-                parse_scope(
-                    get_value(settings, "REDIS_THROTTLE_SCOPE", HOST), source="REDIS_THROTTLE_SCOPE"
-                )
-                if spider_scope is None
-                else parse_scope(spider_scope, source=f"spider attribute {SCOPE_ATTRIBUTE}")
-            ),
+            scope=scopes[0],
+            other_scopes=scopes[1:],
             redis_url=redis_url,
             redis_params=redis_params,
             sentinel=sentinel,
-            cluster=read_cluster(settings, redis_url, redis_params, sentinel),
+            cluster=cluster,
             key_prefix=key_prefix,
             crawl=CrawlSettings.from_settings(settings),
         )

@@ -1,5 +1,6 @@
 """Which domain (budget) each request is under: its ``redis_throttle_key``, else the project's
-own ``download_slot``, else what its scope (:mod:`.scopes`) gives its URL's host."""
+own ``download_slot``, else what its scope (:mod:`.scopes`) gives its URL's host (or its
+proxy); and the budgets of its other scopes."""
 
 from __future__ import annotations
 
@@ -16,7 +17,16 @@ from twisted.internet.defer import Deferred
 from .config import STATS_PREFIX
 from .errors import InvalidThrottleDomain, InvalidThrottleMeta
 from .rates import normalize_domain
-from .scopes import IP, REGISTRABLE_DOMAIN, Scope, parse_meta_scope, registrable_domain, shown
+from .scopes import (
+    IP,
+    PROXY,
+    REGISTRABLE_DOMAIN,
+    Scope,
+    parse_meta_scope,
+    proxy_name,
+    registrable_domain,
+    shown,
+)
 
 if TYPE_CHECKING:
     from scrapy.statscollectors import StatsCollector
@@ -32,8 +42,15 @@ class Domains:
     """A bad value fails its request only, counted: :class:`.InvalidThrottleMeta` for a meta
     value, :class:`.InvalidThrottleDomain` for what the scope's function did."""
 
-    def __init__(self, scope: Scope, stats: StatsCollector, dns_timeout: float) -> None:
+    def __init__(
+        self,
+        scope: Scope,
+        stats: StatsCollector,
+        dns_timeout: float,
+        other_scopes: tuple[Scope, ...] = (),
+    ) -> None:
         self._scope = scope
+        self._other_scopes = other_scopes
         self._stats = stats
         self._addresses = ServerAddresses(dns_timeout)
 
@@ -66,8 +83,34 @@ class Domains:
         host = urlparse_cached(request).hostname
         if not host:
             return ""
+        # A request that goes direct is under its host (by the proxy scope).
+        return await self._named(request, scope, host) or self._meta_named(request, host)
+
+    async def others(self, request: Request, domain: str) -> list[tuple[str, Scope]]:
+        """The budgets of *request*'s other scopes (see :mod:`.scopes`), each with its scope:
+        those that name one (the proxy scope names none for a request that goes direct), and
+        that *domain* or another one before it is not already."""
+        host = urlparse_cached(request).hostname
+        if not self._other_scopes or not host:
+            return []
+        names, budgets = {domain}, []
+        for scope in self._other_scopes:
+            name = await self._named(request, scope, host)
+            if name and name not in names:
+                names.add(name)
+                budgets.append((name, scope))
+        return budgets
+
+    async def _named(self, request: Request, scope: Scope, host: str) -> str:
+        """The budget *scope* puts *request* (to *host*) under ("": none, a direct request's
+        proxy)."""
         if scope.name == IP:
             return self._meta_named(request, await self._addresses.of(host))
+        if scope.name == PROXY:
+            try:
+                return proxy_name(request.meta.get("proxy")) or ""
+            except ValueError as error:
+                self.bad_meta(request, str(error))
         return self._scoped(request, scope, host)
 
     def of_robots_txt(self, url: str) -> str:
@@ -83,6 +126,8 @@ class Domains:
                 named = registrable_domain(host)
             elif scope.name == IP:
                 named = self._addresses.cached(host) or host
+            elif scope.name == PROXY:  # a robots.txt: its site's, not a proxy's (see of_robots_txt)
+                named = host
             else:
                 named = host
             return self._meta_named(request, named)

@@ -84,7 +84,12 @@ class RedisThrottleMiddleware:
         )
         self.parking: ParkingArea | None = None
         self.rejections = Rejections(crawler.stats, self._log_extra)
-        self.domains = Domains(self.config.scope, crawler.stats, self.config.crawl.dns_timeout)
+        self.domains = Domains(
+            self.config.scope,
+            crawler.stats,
+            self.config.crawl.dns_timeout,
+            self.config.other_scopes,
+        )
         # The domain each request in flight was throttled under: its failure counts against
         # that one (a new look might differ: the "ip" scope's DNS may answer otherwise).
         self._sent: WeakKeyDictionary[Request, str] = WeakKeyDictionary()
@@ -192,8 +197,9 @@ class RedisThrottleMiddleware:
         if limit is None:
             stats.inc_value(f"{STATS_PREFIX}/unthrottled")
             return None
-        cost = self._cost(request, limit)
-        park = await self.turns.take(request, domain, limit, cost, ticket, may_park)
+        others = await self._others(request, domain)
+        cost = self._cost(request, limit, others)
+        park = await self.turns.take(request, domain, limit, cost, ticket, may_park, others)
         if park is None:
             return None
         # Back to the engine, which hands it to the parking area (see parking.attach).
@@ -308,11 +314,22 @@ class RedisThrottleMiddleware:
             return "", None
         return domain, self._limit(domain)
 
+    async def _others(self, request: Request, domain: str) -> list[tuple[str, Limit]]:
+        """The budgets of the request's other scopes that have a limit (see
+        :meth:`.Domains.others`): by their names, as a domain's, without Crawl-delay (a
+        robots.txt sets its domain's)."""
+        others = []
+        for name, scope in await self.domains.others(request, domain):
+            limit = self.config.limits.lookup(name, scope.wildcards_cover_domains)
+            if limit is not None:
+                others.append((name, limit))
+        return others
+
     def _limit(self, domain: str) -> Limit | None:
         configured = self.config.limits.lookup(domain, self.config.scope.wildcards_cover_domains)
         return self.crawl_delays.limit(domain, configured)
 
-    def _cost(self, request: Request, limit: Limit) -> float:
+    def _cost(self, request: Request, limit: Limit, others: list[tuple[str, Limit]]) -> float:
         cost = request.meta.get("redis_throttle_cost", 1)
         if (
             isinstance(cost, bool)
@@ -329,6 +346,13 @@ class RedisThrottleMiddleware:
                 f"redis_throttle_cost {cost!r} exceeds {limit.max_cost:g}, the burst or count "
                 f"of {limit} for this domain, so the request could never go",
             )
+        for name, other in others:
+            if cost > other.burst:
+                self.domains.bad_meta(
+                    request,
+                    f"redis_throttle_cost {cost!r} exceeds {other.burst}, the burst of {other} "
+                    f"for {name!r}, so the request could never go",
+                )
         return float(cost)
 
 

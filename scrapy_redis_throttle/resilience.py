@@ -46,7 +46,7 @@ from .seals import Seals
 from .tasks import cancel_and_wait
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
+    from collections.abc import Awaitable, Callable, Sequence
 
     from scrapy.statscollectors import StatsCollector
 
@@ -192,17 +192,28 @@ class LocalBuckets:
         return 0.0 if full_at is None else max(0.0, full_at - self._clock())
 
     def acquire(
-        self, domain: str, limit: Limit, cost: float, reserve: float, workers: int
+        self,
+        domain: str,
+        limit: Limit,
+        cost: float,
+        reserve: float,
+        workers: int,
+        others: Sequence[tuple[str, Limit]] = (),
     ) -> AcquireResult:
-        """Take *cost* tokens of *domain*'s share of *limit* in a fleet of *workers*."""
+        """Take *cost* tokens of *domain*'s share of *limit* in a fleet of *workers*, and of
+        the shares of the request's *others* scopes (see :meth:`.TokenBucket.acquire`): at
+        the latest moment any of them allows."""
         now = self._clock()
-        interval = workers / limit.rate
-        # Each worker's share of the burst, so that the fleet's first moments after a switch
-        # hold one burst, not one per worker; a request always fits.
-        burst = max(cost, limit.burst / workers)
-        full_at = max(self._full_at.get(domain, now), now)
-        new_full_at = full_at + cost * interval
-        wait = max(0.0, new_full_at - burst * interval - now)
+        wait, budgets = 0.0, []
+        for name, each in ((domain, limit), *others):
+            interval = workers / each.rate
+            # Each worker's share of the burst, so that the fleet's first moments after a
+            # switch hold one burst, not one per worker; a request always fits.
+            burst = max(cost, each.burst / workers)
+            full_at = max(self._full_at.get(name, now), now)
+            wait = max(wait, full_at + cost * interval - burst * interval - now)
+            budgets.append((name, full_at, interval, burst))
+        _, full_at, interval, burst = budgets[0]
         if wait > reserve:
             return AcquireResult(
                 allowed=False,
@@ -211,8 +222,10 @@ class LocalBuckets:
                 retry_after=wait,
                 reset_after=full_at - now,
             )
-        self._full_at[domain] = new_full_at
+        for name, each_full_at, each_interval, _ in budgets:
+            self._full_at[name] = max(each_full_at, now + wait) + cost * each_interval
         self._prune(now)
+        new_full_at = self._full_at[domain]
         return AcquireResult(
             allowed=wait == 0,
             reserved=wait > 0,
@@ -274,10 +287,11 @@ class ResilientBucket:
 
     async def check(self) -> None:
         """PING Redis at start-up, so that an unavailable Redis is reported before the first
-        request (and the first requests go by the policy at once), and read the fleet's
-        secret."""
+        request (and the first requests go by the policy at once), read its clock and the
+        fleet's secret."""
         try:
             await ping(self._redis)
+            await self._bucket.read_time()
         except RedisError as exc:
             self._failed(exc)
             return
@@ -293,34 +307,43 @@ class ResilientBucket:
                 "secret", "", str(exc)[:300], "parked requests keep no reservation"
             )
 
-    async def acquire(self, domain: str, limit: Limit, cost: float) -> Grant:
+    async def acquire(
+        self, domain: str, limit: Limit, cost: float, others: Sequence[tuple[str, Limit]] = ()
+    ) -> Grant:
+        """The decision for a request of *domain* (and of its *others* scopes, see
+        :meth:`.TokenBucket.acquire`): Redis's, or the fallback policy's."""
         waited = False
         while True:
             if self.breaker.open_for() is None:
-                share = self._handover_wait(domain, limit, cost)
+                share = self._handover_wait(domain, limit, cost, others)
                 if share:
                     return Grant(_later(share), shared=False, handover=True)
                 try:
-                    result = await self._call_redis(domain, limit, cost)
+                    result = await self._call_redis(domain, limit, cost, others)
                 except ScriptRefused:
-                    return self._paced_alone(domain, limit, cost)
+                    return self._paced_alone(domain, limit, cost, others)
                 if result is not None:
                     return Grant(result, shared=True, waited_for_redis=waited)
             policy = self._config.on_redis_error
             if policy == FALLBACK_LOCAL:
-                return self._paced_alone(domain, limit, cost)
+                return self._paced_alone(domain, limit, cost, others)
             if policy == FALLBACK_OPEN:
                 self._stats.inc_value(f"{STATS_PREFIX}/fallback/open")
                 return Grant(_ALLOWED, shared=False)
             waited = True
             await self.breaker.wait_closed()
 
-    def _paced_alone(self, domain: str, limit: Limit, cost: float) -> Grant:
-        """A decision of this worker alone: its share of *domain*'s rate."""
+    def _paced_alone(
+        self, domain: str, limit: Limit, cost: float, others: Sequence[tuple[str, Limit]]
+    ) -> Grant:
+        """A decision of this worker alone: its share of *domain*'s rate (and of its other
+        scopes')."""
         workers = self.workers()
         if workers is not None:
             self._stats.inc_value(f"{STATS_PREFIX}/fallback/local")
-            result = self.local.acquire(domain, limit, cost, self._config.max_reserve, workers)
+            result = self.local.acquire(
+                domain, limit, cost, self._config.max_reserve, workers, others
+            )
             return Grant(result, shared=False)
         # The fleet's size is not known, nor this worker's share: it sends nothing until Redis
         # answers, and asks again after the longest probe delay (parked meanwhile when that is
@@ -329,12 +352,19 @@ class ResilientBucket:
         self._stats.inc_value(f"{STATS_PREFIX}/fallback/unknown_fleet")
         return Grant(_later(self._config.probe_interval), shared=False)
 
-    async def _call_redis(self, domain: str, limit: Limit, cost: float) -> AcquireResult | None:
+    async def _call_redis(
+        self, domain: str, limit: Limit, cost: float, others: Sequence[tuple[str, Limit]]
+    ) -> AcquireResult | None:
         openings = self._openings
         result = await self._guarded(
             domain,
             self._bucket.acquire(
-                domain, limit, cost, self._config.max_reserve, busy_for=self.local.busy_for(domain)
+                domain,
+                limit,
+                cost,
+                self._config.max_reserve,
+                busy_for=self.local.busy_for(domain),
+                others=[(name, each, self.local.busy_for(name)) for name, each in others],
             ),
         )
         if result is None:
@@ -347,7 +377,9 @@ class ResilientBucket:
             return None
         return result
 
-    def _handover_wait(self, domain: str, limit: Limit, cost: float) -> float:
+    def _handover_wait(
+        self, domain: str, limit: Limit, cost: float, others: Sequence[tuple[str, Limit]]
+    ) -> float:
         """Right after an outage, how long a request must wait for this worker's share (0: it
         may ask Redis now, and its share is taken). Redis is back for this worker, but another
         one may not have noticed yet (its next probe may be up to
@@ -358,7 +390,7 @@ class ResilientBucket:
         workers = self.workers()
         if workers is None or time.monotonic() >= self._handover_until:
             return 0.0
-        share = self._handover.acquire(domain, limit, cost, 0.0, workers)
+        share = self._handover.acquire(domain, limit, cost, 0.0, workers, others)
         if share.allowed:
             return 0.0
         self._stats.inc_value(f"{STATS_PREFIX}/handover_waits")

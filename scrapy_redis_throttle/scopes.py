@@ -1,12 +1,16 @@
 """What a limit is kept per (its scope): each host, each registrable domain (``a.example.com``
 and ``b.example.com`` share ``example.com``'s budget, as sites that limit per domain count), each
-server address (the hosts one server serves share its budget), or what a callable of the
-project's says.
+server address (the hosts one server serves share its budget), each proxy, or what a callable
+of the project's says.
 
 The scope turns a request into its *domain*, the name of its budget: the name its limit is
 looked up by, its Redis bucket, its pauses, its live limit and its lines in the logs.
 ``REDIS_THROTTLE_SCOPE`` sets it (default ``"host"``); the meta key ``redis_throttle_scope``
 sets it for one request, by name; the meta key ``redis_throttle_key`` names the domain itself.
+
+``REDIS_THROTTLE_SCOPE`` may list several scopes: the first gives the request's domain, each
+other one a budget of its own that must allow the request too, in the same atomic call (its
+limit looked up by its name, as a domain's; see ``lua/token_bucket.lua``).
 """
 
 from __future__ import annotations
@@ -15,11 +19,13 @@ import functools
 import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from scrapy.utils.misc import load_object
 from tldextract import TLDExtract
 
 from .errors import ThrottleConfigError
+from .rates import normalize_domain
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -29,7 +35,10 @@ if TYPE_CHECKING:
 HOST = "host"
 REGISTRABLE_DOMAIN = "registrable_domain"
 IP = "ip"
-NAMED = (HOST, REGISTRABLE_DOMAIN, IP)
+PROXY = "proxy"
+NAMED = (HOST, REGISTRABLE_DOMAIN, IP, PROXY)
+# The most scopes a request is under (lua/token_bucket.lua takes one bucket each, in one call).
+MAX_SCOPES = 4
 
 # The Public Suffix List tldextract ships with itself: no download, no cache files. Its ICANN
 # part only, as Crawlee's registrable domains: the hosts under a private suffix (github.io,
@@ -65,6 +74,22 @@ class Scope:
         return self.name
 
 
+def parse_scopes(value: object, *, source: str) -> tuple[Scope, ...]:
+    """The scopes of a setting: one (see :func:`parse_scope`), or a list of at most
+    :data:`MAX_SCOPES` different ones, the request's domain's first."""
+    if not isinstance(value, (list, tuple)):
+        return (parse_scope(value, source=source),)
+    if not 1 <= len(value) <= MAX_SCOPES:
+        raise ThrottleConfigError(
+            f"{source} must list 1 to {MAX_SCOPES} scopes, got {len(value)}: {shown(value)}"
+        )
+    scopes = tuple(parse_scope(item, source=f"{source}[{n}]") for n, item in enumerate(value))
+    names = [scope.name for scope in scopes]
+    if len(set(names)) != len(names):
+        raise ThrottleConfigError(f"{source} lists a scope twice: {shown(value)}")
+    return scopes
+
+
 def parse_scope(value: object, *, source: str) -> Scope:
     """A scope from a setting: ``"host"``, ``"registrable_domain"``, a callable, or the import
     path of one (``"myproject.throttling.domain_of"``)."""
@@ -80,8 +105,9 @@ def parse_scope(value: object, *, source: str) -> Scope:
             ) from None
     if not callable(function) or isinstance(function, type) or not _takes_one(function):
         raise ThrottleConfigError(
-            f"{source} must be {HOST!r}, {REGISTRABLE_DOMAIN!r}, {IP!r}, or a function (or its "
-            f"import path) that takes a request and returns its domain, got {value!r}"
+            f"{source} must be {HOST!r}, {REGISTRABLE_DOMAIN!r}, {IP!r}, {PROXY!r}, or a "
+            f"function (or its import path) that takes a request and returns its domain (or a "
+            f"list of those), got {shown(value)}"
         )
     name = value if isinstance(value, str) else getattr(function, "__qualname__", repr(function))
     return Scope(name, function)
@@ -104,9 +130,35 @@ def parse_meta_scope(value: object) -> Scope:
     if isinstance(value, str) and value in NAMED:
         return Scope(value)
     raise ValueError(
-        f"redis_throttle_scope must be {HOST!r}, {REGISTRABLE_DOMAIN!r} or {IP!r}, got "
-        f"{shown(value)}"
+        f"redis_throttle_scope must be {HOST!r}, {REGISTRABLE_DOMAIN!r}, {IP!r} or {PROXY!r}, "
+        f"got {shown(value)}"
     )
+
+
+# The longest proxy name (a Redis key, a line in the logs): a host name's longest, and a port.
+LONGEST_PROXY_NAME = 253 + 8
+
+
+def proxy_name(value: object) -> str | None:
+    """The budget name of a request's ``meta["proxy"]`` (None: no proxy, it goes direct): its
+    proxy's host and port, without the scheme or the credentials (``proxy.example:8080``).
+    ValueError for a value that is no proxy URL; its message never shows the value (it may
+    hold credentials)."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"meta['proxy'] must be a proxy URL, got a {type(value).__name__}")
+    try:
+        parts = urlsplit(value if "://" in value else f"http://{value}")
+        host, port = parts.hostname, parts.port
+        name = normalize_domain(host or "")
+    except ValueError:  # a port that is no number, a name IDNA refuses
+        name = ""
+    if not name or len(name) > LONGEST_PROXY_NAME:
+        raise ValueError("meta['proxy'] is no proxy URL with a host (its value is not shown)")
+    if port is None:
+        port = 443 if parts.scheme.lower() == "https" else 80
+    return f"[{name}]:{port}" if ":" in name else f"{name}:{port}"
 
 
 def shown(value: object) -> str:

@@ -26,6 +26,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from .connection import ClusterClient
 from .rates import MAX_LIMITS, MAX_SLIDING_COUNT
 from .redis_schema import EPOCH
+from .scopes import MAX_SCOPES
 from .tasks import cancel_and_wait
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ def load_script(name: str) -> str:
     owned = (
         f"local EPOCH = {EPOCH}\n"
         f"local MAX_LIMITS, MAX_SLIDING_COUNT = {MAX_LIMITS}, {MAX_SLIDING_COUNT}\n"
+        f"local MAX_SCOPES = {MAX_SCOPES}\n"
     )
     return f"{shebang}\n{owned}{read_lua('prelude.lua')}{body}"
 

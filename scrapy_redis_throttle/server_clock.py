@@ -44,6 +44,8 @@ class ServerClock:
     """
 
     def __init__(self) -> None:
+        self._reading: asyncio.Future[None] | None = None
+        """Done when the reading of ``TIME`` under way ends (None: none is)."""
         self._generations: list[tuple[float, float]] = []
         """(upper, lower) bounds of the offset, this generation's last."""
         self._generation_ends = 0.0
@@ -81,12 +83,23 @@ class ServerClock:
         first, or an unknown clock would take that one reply's bounds alone, and a reply read
         late (by a busy process) would place its moments that much late."""
         loop = asyncio.get_running_loop()
+        if self._reading is not None:
+            # One reading for the calls that come meanwhile: they go after it, in the order
+            # they came (a call that came later must not overtake them with the clock known).
+            await asyncio.shield(self._reading)
+            return
         if self.server_us(loop.time()) is not None:
             return
-        for _ in range(FIRST_READS):
-            sent = loop.time()
-            seconds, micros = await server_time()
-            self.decided_at(sent, loop.time(), server_micros(seconds, micros))
+        self._reading = loop.create_future()
+        try:
+            for _ in range(FIRST_READS):
+                sent = loop.time()
+                seconds, micros = await server_time()
+                self.decided_at(sent, loop.time(), server_micros(seconds, micros))
+        finally:
+            # Failed or not, the calls waiting go on (each learns from its own reply if need be).
+            reading, self._reading = self._reading, None
+            reading.set_result(None)
 
     def decided_at(self, sent: float, read: float, server_us: float) -> float:
         """When Redis decided (by the loop's clock) a reply to a call *sent*, read at *read*

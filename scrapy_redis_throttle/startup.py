@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from .parking import RedisParking
 from .rates import format_rate
-from .scopes import HOST, IP, REGISTRABLE_DOMAIN
+from .scopes import HOST, IP, PROXY, REGISTRABLE_DOMAIN
 
 if TYPE_CHECKING:
     from .config import ThrottleConfig
@@ -17,6 +17,7 @@ _SCOPES = {
     HOST: "each host",
     REGISTRABLE_DOMAIN: "each registrable domain",
     IP: "each server address",
+    PROXY: "each proxy",
 }
 
 
@@ -35,8 +36,12 @@ def describe_setup(middleware: RedisThrottleMiddleware) -> list[str]:
         waiting = f"requests that must wait over {config.max_hold:g} s are parked in this process"
     codes = "/".join(map(str, sorted(config.penalty_codes)))
     lines = [
-        f"one budget per domain (a domain: {_SCOPES.get(config.scope.name, config.scope.name)}, "
-        f"REDIS_THROTTLE_SCOPE) shared in {config.redis_location} (key prefix "
+        f"one budget per domain (a domain: {_SCOPES.get(config.scope.name, config.scope.name)}"
+        + "".join(
+            f"; and one per {_SCOPES.get(scope.name, scope.name).removeprefix('each ')}"
+            for scope in config.other_scopes
+        )
+        + f", REDIS_THROTTLE_SCOPE) shared in {config.redis_location} (key prefix "
         f"{config.key_prefix!r}); {waiting}; "
         + (f"a {codes} pauses its domain for every worker; " if codes else "")
         + f"if Redis fails, {middleware.budget.describe_policy()}",

@@ -14,7 +14,7 @@ from .parking import RELEASE_AHEAD, Ticket
 from .resilience import sleep
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     from scrapy import Request
     from scrapy.statscollectors import StatsCollector
@@ -66,9 +66,11 @@ class Turns:
         cost: float,
         ticket: Ticket | None,
         may_park: bool,
+        others: Sequence[tuple[str, Limit]] = (),
     ) -> Ticket | None:
         """Wait until *request* may go (None), or return the ticket to park it with (only if
-        it *may_park*). *ticket*: the request is back from the parking area with it."""
+        it *may_park*). *ticket*: the request is back from the parking area with it. *others*:
+        the budgets of its other scopes, which must allow it too (see :mod:`.scopes`)."""
         with self._activity.holding(domain):
             stats = self._stats
             # Its wait counts from its first turn, before it was parked.
@@ -91,7 +93,7 @@ class Turns:
             delayed = ticket is not None
             while True:
                 asked_at = time.time()
-                grant = await self._budget.acquire(domain, limit, cost)
+                grant = await self._budget.acquire(domain, limit, cost, others)
                 result = grant.result
                 decided = result.decided(asyncio.get_running_loop().time())
                 delayed = delayed or grant.waited_for_redis
@@ -120,12 +122,13 @@ class Turns:
                     why = "" if grant.shared else ", paced locally while Redis fails"
                 logger.debug(
                     "Redis throttle: %(request)s waits %(delay).3f s for %(domain)r "
-                    "(%(limit)s)%(why)s",
+                    "(%(limit)s)%(others)s%(why)s",
                     {
                         "request": request,
                         "delay": result.retry_after,
                         "domain": domain,
                         "limit": limit,
+                        "others": "".join(f" and {name!r} ({each})" for name, each in others),
                         "why": why,
                     },
                     extra=self._log_extra(),
@@ -141,6 +144,11 @@ class Turns:
                         return None
                     continue
                 if result.paused:
+                    await sleep(result.retry_after)
+                    continue
+                if result.retry_after <= self._config.max_reserve:
+                    # Not reserved though near: its scopes' buckets are free at different
+                    # moments (see lua/token_bucket.lua); it asks again at the latest.
                     await sleep(result.retry_after)
                     continue
                 # Too far ahead to reserve: come back when it is not.

@@ -73,12 +73,15 @@ def start_crawl_workers(redis_url: str, jobs: list[dict[str, Any]]) -> list[subp
 
 
 def finish_crawl_workers(
-    workers: list[subprocess.Popen[str]], timeout: float
+    workers: list[subprocess.Popen[str]], timeout: float, logs: list[str] | None = None
 ) -> list[dict[str, Any]]:
-    """Wait for the workers to end; check each ended well and return each one's crawl stats."""
+    """Wait for the workers to end; check each ended well and return each one's crawl stats
+    (and add each one's log to *logs*)."""
     outputs = [worker.communicate(timeout=timeout) for worker in workers]
     all_stats = []
     for worker, (stdout, stderr) in zip(workers, outputs, strict=True):
+        if logs is not None:
+            logs.append(stderr)
         assert worker.returncode == 0, stderr[-3000:]
         all_stats.append(json.loads(stdout.strip().splitlines()[-1].removeprefix("STATS ")))
     return all_stats

@@ -818,15 +818,19 @@ def test_the_tool_refuses_a_url_or_a_port_and_stores_a_name_as_workers_read_it(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
     url = ("--redis-url", redis_server.url)
-    for domain in ("http://shop.example", "https://shop.example/", "shop.example:8080", ":8080"):
+    for domain in ("http://shop.example", "https://shop.example/", "shop.example:", ":8080"):
         done = tool(*url, "set", domain, "1/s", cwd=tmp_path)
         assert done.returncode == EXIT_BAD_INPUT, domain
         assert "not a URL or a port" in done.stderr, done.stderr
     done = tool(*url, "set", "Bücher.Example.", "2/s", cwd=tmp_path)
     assert (done.returncode, done.stdout) == (0, "xn--bcher-kva.example: 2/s (workers' burst)\n")
+    # A proxy's budget (the "proxy" scope): its host and port.
+    done = tool(*url, "set", "Proxy.Example:8080", "10/s", cwd=tmp_path)
+    assert (done.returncode, done.stdout) == (0, "proxy.example:8080: 10/s (workers' burst)\n")
     with redis_server.client() as client:
         assert LiveControl(client, "redis_throttle").live_limits().keys() == {
-            "xn--bcher-kva.example"
+            "xn--bcher-kva.example",
+            "proxy.example:8080",
         }
 
 

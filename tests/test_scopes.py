@@ -99,15 +99,21 @@ def test_the_scope_setting_takes_a_name_or_a_function(value: object, expected: s
     [
         (
             "domain",
-            "REDIS_THROTTLE_SCOPE must be 'host', 'registrable_domain', 'ip', or a function",
+            "REDIS_THROTTLE_SCOPE must be 'host', 'registrable_domain', 'ip', 'proxy', or a function",
         ),
         ("no_such_module.domain_of", "REDIS_THROTTLE_SCOPE: cannot import 'no_such_module.d"),
         (f"{__name__}.no_such_function", "REDIS_THROTTLE_SCOPE: cannot import"),
-        (5, "REDIS_THROTTLE_SCOPE must be 'host', 'registrable_domain', 'ip', or a function"),
-        (Request, "REDIS_THROTTLE_SCOPE must be 'host', 'registrable_domain', 'ip', or a function"),
+        (
+            5,
+            "REDIS_THROTTLE_SCOPE must be 'host', 'registrable_domain', 'ip', 'proxy', or a function",
+        ),
+        (
+            Request,
+            "REDIS_THROTTLE_SCOPE must be 'host', 'registrable_domain', 'ip', 'proxy', or a function",
+        ),
         (
             lambda: "x",
-            "REDIS_THROTTLE_SCOPE must be 'host', 'registrable_domain', 'ip', or a function",
+            "REDIS_THROTTLE_SCOPE must be 'host', 'registrable_domain', 'ip', 'proxy', or a function",
         ),
         ("..", "REDIS_THROTTLE_SCOPE: cannot import '..'"),
         ("broken_at_import.domain_of", "REDIS_THROTTLE_SCOPE: cannot import 'broken_at_import."),
@@ -261,7 +267,8 @@ async def test_a_request_chooses_its_scope_by_name_in_its_meta(
     assert stats["test/responses"] == 1
     assert stats["redis_throttle/invalid_meta"] == 1
     assert crawler.spider.failure_messages == [  # type: ignore[union-attr]
-        "redis_throttle_scope must be 'host', 'registrable_domain' or 'ip', got 'builtins.print' "
+        "redis_throttle_scope must be 'host', 'registrable_domain', 'ip' or 'proxy', got "
+        "'builtins.print' "
         f"(<GET {site.url(A, '/page/1')}>)"
     ]
 

@@ -7,11 +7,12 @@ import asyncio
 
 import pytest
 import redis.asyncio
+from local_redis import RedisServer
 from support import async_test
 
 from scrapy_redis_throttle.bucket import TokenBucket
 from scrapy_redis_throttle.connection import ClusterClient
-from scrapy_redis_throttle.server_clock import GENERATION, ServerClock
+from scrapy_redis_throttle.server_clock import FIRST_READS, GENERATION, ServerClock
 
 # Redis's clock (µs) runs 1,000 s ahead of the loop's (s) in these cases.
 AHEAD = 1000.0
@@ -96,3 +97,31 @@ def test_a_redis_cluster_is_not_asked_for_clocks_it_has_not_told_of() -> None:
     assert cluster.clock("a.example") is not cluster.clock("a.example")
     one = TokenBucket(redis.asyncio.Redis(port=1), "redis_throttle")
     assert one.clock("a.example") is one.clock("b.example")
+
+
+@async_test
+async def test_calls_that_come_while_the_clock_is_read_wait_for_that_reading_in_turn(
+    redis_server: RedisServer,
+) -> None:
+    """The first call reads Redis's TIME (a few times); those that come meanwhile wait for that
+    one reading instead of reading again, and go on in the order they came: a call that came
+    later does not overtake them (the first requests of a crawl keep their order)."""
+    client = redis.asyncio.Redis(port=redis_server.port)
+    await client.config_resetstat()  # the server's TIME calls count this test's alone
+    clock, went = ServerClock(), []
+
+    async def call(n: int) -> None:
+        await clock.follow(client.time)
+        went.append(n)
+
+    try:
+        calls = [asyncio.ensure_future(call(n)) for n in range(5)]
+        await asyncio.sleep(0)  # they all wait for the first one's reading
+        calls.append(asyncio.ensure_future(call(5)))
+        await asyncio.gather(*calls)
+        await clock.follow(client.time)  # known now: no reading
+    finally:
+        await client.aclose()
+    assert went == list(range(6))
+    with redis_server.client() as sync_client:
+        assert sync_client.info("commandstats")["cmdstat_time"]["calls"] == FIRST_READS

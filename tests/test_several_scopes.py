@@ -1,0 +1,387 @@
+"""Several scopes per request (#23): the request's domain's bucket and its other scopes' buckets
+decide in one call of lua/token_bucket.lua, run in a real redis-server; all of them must allow
+it, and a refusal takes nothing from any of them.
+
+As in test_token_bucket.py, the bounds hold whatever the machine's load: the script moves only
+with Redis's clock, and a bucket refills at most ``rate x elapsed`` between two calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import pytest
+import redis.asyncio
+from demo_site import HOSTS, DemoSite
+from forward_proxy import ForwardProxy
+from local_redis import RedisServer
+from loopback_names import resolving
+from redis.exceptions import ResponseError
+from scrapy.settings import Settings
+from support import (
+    achieved_rate,
+    assert_never_early,
+    assert_paced,
+    async_test,
+    crawl_settings,
+    finish_crawl_workers,
+    missed_moments,
+    released,
+    run_crawl,
+    start_crawl_workers,
+)
+
+from scrapy_redis_throttle import ThrottleConfig, ThrottleConfigError
+from scrapy_redis_throttle.bucket import TokenBucket
+from scrapy_redis_throttle.control import LiveControl
+from scrapy_redis_throttle.rates import Limit
+from scrapy_redis_throttle.redis_schema import bucket_key
+from scrapy_redis_throttle.resilience import LocalBuckets
+from scrapy_redis_throttle.scopes import HOST as HOST_SCOPE
+from scrapy_redis_throttle.scopes import MAX_SCOPES, REGISTRABLE_DOMAIN, proxy_name
+from scrapy_redis_throttle.scopes import PROXY as PROXY_SCOPE
+from scrapy_redis_throttle.scripts import load_script
+
+A = HOSTS[0]
+PREFIX = "redis_throttle"
+UNUSED = "http://127.0.0.1:1"  # a proxy no request reaches
+SITE, HOST, PROXY = "shop.com", "img.shop.com", "proxy.example:8080"
+# Three host names of one registrable domain, at the demo site's three addresses.
+NAMES = dict(zip(("www.shop.com", "img.shop.com", "api.shop.com"), HOSTS, strict=True))
+FAST = Limit(rate=100, burst=10, text="100/s, burst 10")
+SLOW = Limit(rate=1, burst=1, text="1/s")
+
+
+@async_test
+async def test_every_scope_must_allow_a_request_and_a_refusal_takes_nothing(
+    redis_server: RedisServer,
+) -> None:
+    client = redis.asyncio.Redis(port=redis_server.port)
+    bucket = TokenBucket(client, PREFIX)
+    try:
+        first = await bucket.acquire(SITE, FAST, others=[(HOST, SLOW, 0)])
+        assert first.allowed
+        site_after_first = await client.get(bucket_key(PREFIX, SITE))
+        # The host's bucket is empty for a second: refused, though the site's has 9 tokens.
+        second = await bucket.acquire(SITE, FAST, others=[(HOST, SLOW, 0)])
+        assert not second.allowed
+        assert not second.reserved
+        assert 0.9 < second.retry_after <= 1.0, second
+        assert await client.get(bucket_key(PREFIX, SITE)) == site_after_first, "nothing taken"
+        # Another host of the site goes: its own bucket is full.
+        other_host = await bucket.acquire(SITE, FAST, others=[("www.shop.com", SLOW, 0)])
+        assert other_host.allowed
+        # Each bucket expires once full again, the host's after its second.
+        ttl = await client.pttl(bucket_key(PREFIX, HOST))
+        assert 0 < ttl <= 1000, ttl
+    finally:
+        await client.aclose()
+
+
+@async_test
+async def test_a_moment_is_reserved_where_no_bucket_would_stand_idle_for_it(
+    redis_server: RedisServer,
+) -> None:
+    """The host's bucket puts the moment a second ahead. Reserved then, the site's bucket (and
+    the proxy's) would stand idle until that moment, holding back the site's other hosts:
+    nothing is taken, the request asks again at its moment. Where their bursts keep a token for
+    a request now, the moment is reserved in every bucket: each counts the request then."""
+    client = redis.asyncio.Redis(port=redis_server.port)
+    bucket = TokenBucket(client, PREFIX)
+    others = [(HOST, SLOW, 0.0), (PROXY, FAST, 0.0)]
+    try:
+        await bucket.acquire(SITE, FAST, others=others)
+        site_before = await client.get(bucket_key(PREFIX, SITE))
+        refused = await bucket.acquire(SITE, FAST, reserve=5, others=others)
+        assert not refused.allowed
+        assert not refused.reserved
+        assert 0.9 < refused.retry_after <= 1.0, refused
+        assert await client.get(bucket_key(PREFIX, SITE)) == site_before, "nothing taken"
+
+        roomy = Limit(rate=100, burst=200, text="100/s, burst 200")
+        others = [("www.big.example", SLOW, 0.0), (PROXY, roomy, 0.0)]
+        await bucket.acquire("big.example", roomy, others=others)
+        reserved = await bucket.acquire("big.example", roomy, reserve=5, others=others)
+        assert reserved.reserved
+        assert reserved.moment_us is not None
+        assert 0.9 < reserved.retry_after <= 1.0, reserved
+        for name, limit in (("big.example", roomy), (PROXY, roomy), ("www.big.example", SLOW)):
+            tat = int(await client.get(bucket_key(PREFIX, name)) or 0)
+            expected = reserved.moment_us + limit.interval_us
+            assert expected <= tat <= expected + 1, (name, tat - reserved.moment_us)
+    finally:
+        await client.aclose()
+
+
+@async_test
+async def test_another_scope_s_live_limit_and_pause_apply(redis_server: RedisServer) -> None:
+    """A limit set live for the proxy (the CLI's ``set``, ``pause``) is the proxy's wherever
+    it is another scope: a pause pauses every request through it."""
+    client = redis.asyncio.Redis(port=redis_server.port)
+    bucket = TokenBucket(client, PREFIX)
+    with redis_server.client() as sync_client:
+        control = LiveControl(sync_client, PREFIX)
+        try:
+            control.set(PROXY, 1.0, 1)  # below the workers' 100/s
+            assert (await bucket.acquire(SITE, FAST, others=[(PROXY, FAST, 0)])).allowed
+            refused = await bucket.acquire(SITE, FAST, others=[(PROXY, FAST, 0)])
+            assert not refused.allowed
+            assert 0.9 < refused.retry_after <= 1.0, refused
+            control.pause(PROXY)
+            paused = await bucket.acquire("other.example", FAST, others=[(PROXY, FAST, 0)])
+            assert paused.paused
+            assert (await bucket.acquire("other.example", FAST)).allowed, "direct: not paused"
+        finally:
+            await client.aclose()
+
+
+@async_test
+async def test_bad_limits_of_other_scopes_are_refused_by_name(redis_server: RedisServer) -> None:
+    client = redis.asyncio.Redis(port=redis_server.port)
+    bucket = TokenBucket(client, PREFIX)
+    try:
+        too_many = [(f"proxy-{n}.example:1", FAST, 0.0) for n in range(MAX_SCOPES)]
+        with pytest.raises(ResponseError, match=f"at most {MAX_SCOPES - 1} other scopes"):
+            await bucket.acquire(SITE, FAST, others=too_many)
+        with pytest.raises(ResponseError, match=r"cost 2\.0 exceeds scope 2's burst 1"):
+            await bucket.acquire(SITE, FAST, cost=2, others=[(HOST, SLOW, 0)])
+        # The domain's four keys, then the host's bucket; ARGV: the domain's five, then its three.
+        keys = [bucket_key(PREFIX, name) for name in (SITE, "rate", "quota", "log", HOST)]
+        sha = await client.script_load(load_script("token_bucket.lua"))
+        bad = (("0", "1", "0"), ("nan", "1", "0"), ("1e6", "0", "0"), ("1e15", "1", "0"))
+        for other_args in (*bad, ("1e6", "1", "-1"), ("1e6", "1", "inf")):
+            args = ["1e4", "10", "1", "0", "0", *other_args]
+            with pytest.raises(ResponseError, match="scope 2's interval, burst and busy_for"):
+                await client.evalsha(sha, len(keys), *keys, *args)
+    finally:
+        await client.aclose()
+
+
+def test_a_fleet_keeps_to_a_domain_s_budget_and_each_host_s_at_once(
+    redis_server: RedisServer,
+) -> None:
+    """Three worker processes crawl three hosts of shop.com, whose server allows 5/s for them
+    all together and 2/s for each host (a 429 above either): with the scopes
+    ["registrable_domain", "host"] and a limit for each, none is refused, and the domain's
+    budget, the one that binds (3 x 2/s is more), is used."""
+    domain_rate, host_rate = 5, 2
+    overload = {
+        "*": (int(1 + domain_rate * 1.1), 1),
+        **{host: (int(1 + host_rate * 1.1), 1) for host in HOSTS},
+    }
+    with DemoSite(HOSTS, pages=10, overload=overload) as site:
+        requests = [
+            {"url": f"http://{name}:{site.port}/page/{n}"} for n in range(10) for name in NAMES
+        ]
+        settings = crawl_settings(
+            redis_server.url,
+            REDIS_THROTTLE_SCOPE=[REGISTRABLE_DOMAIN, HOST_SCOPE],
+            **resolving(NAMES),
+        )
+        rates = {"shop.com": f"{domain_rate}/s", "*.shop.com": f"{host_rate}/s"}
+        jobs = [
+            {
+                "settings": settings,
+                "requests": requests[worker::3],
+                "spider_attributes": {"redis_throttle_rates": rates},
+            }
+            for worker in range(3)
+        ]
+        all_stats = finish_crawl_workers(start_crawl_workers(redis_server.url, jobs), 90)
+        arrivals = site.arrivals()
+    assert [a for a in arrivals if a.status != 200] == []
+    assert len(arrivals) == 30, "every page of every host, once"
+    went = released(all_stats, *NAMES)
+    assert_paced(went, domain_rate, 1, "shop.com, as released")
+    for name in NAMES:
+        assert_paced(released(all_stats, name), host_rate, 1, f"{name}, as released")
+    assert_never_early([a.wall_time for a in arrivals], went, "shop.com")
+    missed = missed_moments(all_stats, "shop.com")
+    utilisation = achieved_rate([a.time for a in arrivals], 1, missed) / domain_rate
+    print(f"shop.com: utilisation {utilisation:.2f}, missed moments {missed}")
+    assert utilisation >= 0.9
+
+
+def test_a_fleet_keeps_to_a_proxy_s_budget_and_each_site_s_at_once(
+    redis_server: RedisServer,
+) -> None:
+    """Three worker processes crawl three sites through one real forward proxy (with
+    credentials), which may send 4/s in all (the sites' server refuses more, with a 429), each
+    site allowing 3/s: with the scopes ["host", "proxy"], none is refused and the proxy's
+    budget, the one that binds, is used. Its credentials are in no log and no Redis key."""
+    proxy_rate, site_rate, secret = 4, 3, "s3cret-of-the-proxy"
+    overload = {
+        "*": (int(1 + proxy_rate * 1.1), 1),
+        **{host: (int(1 + site_rate * 1.1), 1) for host in HOSTS},
+    }
+    with (
+        ForwardProxy(auth=f"fleet:{secret}") as proxy,
+        DemoSite(HOSTS, pages=10, overload=overload) as site,
+    ):
+        address = proxy.address  # its budget's name
+        requests = [
+            {"url": site.url(host, f"/page/{n}"), "meta": {"proxy": proxy.url}}
+            for n in range(10)
+            for host in HOSTS
+        ]
+        settings = crawl_settings(
+            redis_server.url, REDIS_THROTTLE_SCOPE=[HOST_SCOPE, PROXY_SCOPE], LOG_LEVEL="DEBUG"
+        )
+        rates = {**dict.fromkeys(HOSTS, f"{site_rate}/s"), address: f"{proxy_rate}/s"}
+        jobs = [
+            {
+                "settings": settings,
+                "requests": requests[worker::3],
+                "spider_attributes": {"redis_throttle_rates": rates},
+            }
+            for worker in range(3)
+        ]
+        logs: list[str] = []
+        all_stats = finish_crawl_workers(start_crawl_workers(redis_server.url, jobs), 90, logs)
+        arrivals = site.arrivals()
+        with redis_server.client() as client:
+            keys = [key.decode() for key in client.scan_iter(count=1000)]
+    assert [a for a in arrivals if a.status != 200] == []
+    assert len(arrivals) == 30, "every page of every site, once"
+    went = released(all_stats, *HOSTS)
+    assert_paced(went, proxy_rate, 1, f"proxy {address}, as released")
+    for host in HOSTS:
+        assert_paced(released(all_stats, host), site_rate, 1, f"{host}, as released")
+    assert_never_early([a.wall_time for a in arrivals], went, address)
+    missed = sum(missed_moments(all_stats, host) for host in HOSTS)
+    utilisation = achieved_rate([a.time for a in arrivals], 1, missed) / proxy_rate
+    print(f"proxy: utilisation {utilisation:.2f}, missed moments {missed}")
+    assert utilisation >= 0.9
+    waits = [line for log in logs for line in log.splitlines() if " waits " in line]
+    assert waits, "the workers' debug log says why requests wait"
+    assert all(f"and '{address}' ({proxy_rate}/s" in line for line in waits), waits[:3]
+    assert not [line for log in logs for line in log.splitlines() if secret in line]
+    assert not [key for key in keys if secret in key]
+
+
+def config(**settings: Any) -> ThrottleConfig:
+    return ThrottleConfig.from_settings(Settings(settings))
+
+
+def test_the_scope_setting_takes_a_list_the_domain_s_first() -> None:
+    cfg = config(REDIS_THROTTLE_SCOPE=[REGISTRABLE_DOMAIN, HOST_SCOPE, PROXY_SCOPE])
+    assert str(cfg.scope) == REGISTRABLE_DOMAIN
+    assert [str(scope) for scope in cfg.other_scopes] == [HOST_SCOPE, PROXY_SCOPE]
+    assert config(REDIS_THROTTLE_SCOPE=(PROXY_SCOPE,)).other_scopes == ()
+    spider = ThrottleConfig.from_settings(Settings(), spider_scope=[HOST_SCOPE, PROXY_SCOPE])
+    assert [str(scope) for scope in spider.other_scopes] == [PROXY_SCOPE]
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ([], "REDIS_THROTTLE_SCOPE must list 1 to 4 scopes, got 0: []"),
+        ([HOST_SCOPE] * 5, "REDIS_THROTTLE_SCOPE must list 1 to 4 scopes, got 5"),
+        ([HOST_SCOPE, "hosts"], "REDIS_THROTTLE_SCOPE[1] must be 'host', 'registrable_domain'"),
+        ([HOST_SCOPE, PROXY_SCOPE, HOST_SCOPE], "REDIS_THROTTLE_SCOPE lists a scope twice"),
+    ],
+)
+def test_a_bad_list_of_scopes_fails_at_start_up_naming_the_setting(
+    value: object, message: str
+) -> None:
+    with pytest.raises(ThrottleConfigError, match="^" + re.escape(message)):
+        config(REDIS_THROTTLE_SCOPE=value)
+
+
+def test_several_scopes_are_refused_on_a_redis_cluster() -> None:
+    """One call decides for all of a request's budgets: on a cluster their keys are on
+    different nodes (the protocol that would reserve in each is not built yet)."""
+    nodes = "127.0.0.1:7000,127.0.0.1:7001"
+    message = "REDIS_THROTTLE_SCOPE: several scopes need one Redis (or Sentinel), not a Redis"
+    with pytest.raises(ThrottleConfigError, match="^" + re.escape(message)):
+        config(REDIS_THROTTLE_SCOPE=[HOST_SCOPE, PROXY_SCOPE], REDIS_THROTTLE_CLUSTER_NODES=nodes)
+    assert config(REDIS_THROTTLE_SCOPE=PROXY_SCOPE, REDIS_THROTTLE_CLUSTER_NODES=nodes)
+
+
+@pytest.mark.parametrize(
+    ("proxy", "name"),
+    [
+        ("http://user:secret@Proxy.Example:8080", "proxy.example:8080"),
+        ("proxy.example:3128", "proxy.example:3128"),
+        ("https://proxy.example", "proxy.example:443"),
+        ("http://proxy.example", "proxy.example:80"),
+        ("http://[::1]:8080", "[::1]:8080"),
+        ("http://bücher.example:1", "xn--bcher-kva.example:1"),
+        (None, None),
+        ("", None),
+    ],
+)
+def test_a_proxy_s_budget_is_named_by_its_host_and_port(proxy: object, name: str | None) -> None:
+    assert proxy_name(proxy) == name
+
+
+@pytest.mark.parametrize(
+    "proxy",
+    [
+        "http://user:secret@:8080",
+        "http://user:secret@host:99999",
+        "http://user:secret@host:port",
+        "http://user:secret@" + "a" * 300 + ":1",
+        b"http://user:secret@host:1",
+        ["http://user:secret@host:1"],
+    ],
+)
+def test_a_bad_proxy_is_refused_without_showing_it(proxy: object) -> None:
+    with pytest.raises(ValueError, match="meta\\['proxy'\\]") as refused:
+        proxy_name(proxy)
+    assert "secret" not in str(refused.value)
+
+
+def test_local_pacing_takes_every_scope_s_share_at_the_latest_moment() -> None:
+    """While Redis fails, the "local" policy paces each budget at its share of the fleet's
+    rate, as lua/token_bucket.lua does in Redis: the request's moment is the latest of them."""
+    now = [100.0]
+    local = LocalBuckets(lambda: now[0])
+    site, host = Limit(rate=4, burst=1, text="4/s"), Limit(rate=1, burst=1, text="1/s")
+    others = [(HOST, host)]
+    assert local.acquire(SITE, site, 1, reserve=10, workers=2, others=others).allowed
+    second = local.acquire(SITE, site, 1, reserve=10, workers=2, others=others)
+    assert second.reserved
+    assert second.retry_after == pytest.approx(2.0), "the host's share: 1/s over 2 workers"
+    assert local.busy_for(SITE) == pytest.approx(2.5), "the site counts it at that moment"
+    refused = local.acquire(SITE, site, 1, reserve=1, workers=2, others=others)
+    assert not refused.allowed
+    assert not refused.reserved
+    assert local.busy_for(HOST) == pytest.approx(4.0), "nothing taken"
+
+
+@async_test
+async def test_a_bad_proxy_or_cost_fails_its_request_only(
+    redis_server: RedisServer, site: DemoSite, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request whose meta["proxy"] is no proxy URL fails, counted, saying so without its
+    value (it may hold credentials); one whose cost exceeds another scope's burst fails too;
+    a request that goes direct has no proxy budget. The start-up says what the scopes are."""
+    caplog.set_level(logging.INFO, logger="scrapy_redis_throttle")
+    bad_proxy = "http://user:secret@proxy.example:port"
+    requests: list[dict[str, Any]] = [
+        {"url": site.url(A, "/page/0"), "meta": {"proxy": bad_proxy}},
+        {"url": site.url(A, "/page/1"), "meta": {"redis_throttle_cost": 2, "proxy": UNUSED}},
+        {"url": site.url(A, "/page/2")},
+    ]
+    crawler = await run_crawl(
+        crawl_settings(redis_server.url, REDIS_THROTTLE_SCOPE=[HOST_SCOPE, PROXY_SCOPE]),
+        requests,
+        redis_throttle_rates={A: {"rate": 5, "burst": 2}, "127.0.0.1:1": "5/s"},
+    )
+    stats = crawler.stats.get_stats()
+    assert stats["test/responses"] == 1
+    assert stats["redis_throttle/invalid_meta"] == 2
+    assert crawler.spider.failure_messages == [  # type: ignore[union-attr]
+        "meta['proxy'] is no proxy URL with a host (its value is not shown) "
+        f"(<GET {site.url(A, '/page/0')}>)",
+        "redis_throttle_cost 2 exceeds 1, the burst of 5/s (burst 1) for '127.0.0.1:1', so "
+        f"the request could never go (<GET {site.url(A, '/page/1')}>)",
+    ]
+    assert any(
+        "one budget per domain (a domain: each host; and one per proxy, REDIS_THROTTLE_SCOPE)"
+        in record.getMessage()
+        for record in caplog.records
+    )
