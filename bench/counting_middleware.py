@@ -30,10 +30,15 @@ class CountingThrottleMiddleware(RedisThrottleMiddleware):
         acquire = self.budget.acquire
 
         async def counted(
-            domain: str, limit: Limit, cost: float, others: Sequence[tuple[str, Limit]] = ()
+            domain: str,
+            limit: Limit,
+            cost: float,
+            others: Sequence[tuple[str, Limit]] = (),
+            partial_within: float = 0,
+            reserve: float | None = None,
         ) -> Grant:
             _calls.get()[0] += 1
-            return await acquire(domain, limit, cost, others)
+            return await acquire(domain, limit, cost, others, partial_within, reserve)
 
         self.budget.acquire = counted  # type: ignore[method-assign]
 

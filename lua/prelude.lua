@@ -44,9 +44,19 @@ end
 -- garbage), the live part as written (" <rate> ...", "" when none) and its fields, as strings
 -- for the caller to check (nil when none). Garbage is no live limit: the workers' own applies.
 -- Separators required: optional ones let Lua try every split of a long token (400 bytes took
--- 27 s).
-local function bucket_read(key, now)
-  local state = redis.call("GET", key) or ""
+-- 27 s). *tolerant*: a key of another type is none.
+local function bucket_read(key, now, tolerant)
+  local state
+  if tolerant then
+    -- Another scope's bucket (see token_bucket.lua), which many domains share: a key of another
+    -- type there (written by hand) is garbage too, not an error for every request through it.
+    state = redis.pcall("GET", key)
+    if type(state) ~= "string" then
+      state = ""
+    end
+  else
+    state = redis.call("GET", key) or ""
+  end
   if #state > MAX_VALUE_BYTES then
     return nil, ""
   end

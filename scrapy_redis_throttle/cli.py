@@ -33,6 +33,7 @@ from .rates import (
     parse_limit,
 )
 from .redis_schema import ALGORITHM_CODES
+from .scopes import proxy_budget
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -149,24 +150,25 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _domain(text: str) -> str:
-    """DOMAIN as the workers' domains are (see :func:`.rates.normalize_domain`); a URL, or a
-    port without a host or that is no number, which no worker's budget holds, is refused (a
-    proxy's budget is ``host:port``, see :func:`.scopes.proxy_name`)."""
-    port = _PORT.fullmatch(text)
-    if "/" in text or (port and not _PROXY.fullmatch(text)) or not text.strip():
+    """DOMAIN as the workers' budgets are named (see :func:`.rates.normalize_domain`, and
+    :func:`.scopes.proxy_budget` for a proxy's ``host:port``); a URL, or a port without a host
+    or that is no port, which no worker's budget holds, is refused."""
+    text = text.strip()
+    try:
+        if "/" in text or not text:
+            raise ValueError
+        if _PORT.fullmatch(text):
+            return proxy_budget(text)
+        return normalize_domain(text)
+    except ValueError:  # IDNA's own errors say less than this
         raise ThrottleConfigError(
             f"DOMAIN: expected a host name (or a redis_throttle_key, or a proxy's host:port), "
             f"not a URL or a port: {text!r:.200}"
-        )
-    try:
-        return normalize_domain(text.strip())
-    except ValueError:
-        raise ThrottleConfigError(f"DOMAIN: {text!r:.200} is no name IDNA takes") from None
+        ) from None
 
 
-# host:port (an IPv6 address has more colons), and a proxy's budget: a host and a port.
-_PORT = re.compile(r"[^:]*:\d*")
-_PROXY = re.compile(r"(?:[^:\[\]]+|\[[0-9a-fA-F:.]+\]):[1-9]\d{0,4}")
+# host:port (an IPv6 address has more colons, unless in brackets).
+_PORT = re.compile(r"([^:]*|\[.*\]):[^:]*")
 
 
 def _config(args: argparse.Namespace) -> ThrottleConfig:

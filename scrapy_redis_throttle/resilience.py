@@ -170,10 +170,25 @@ class LocalBuckets:
     def __len__(self) -> int:
         return len(self._full_at)
 
-    def follow(self, domain: str, shared: AcquireResult) -> None:
+    def follow(
+        self,
+        domain: str,
+        shared: AcquireResult,
+        others: Sequence[tuple[str, Limit]] = (),
+        cost: float = 1,
+    ) -> None:
+        """Record *shared*, Redis's decision for *domain* (and for its *others* scopes, whose
+        buckets are full again at least the request's own time after its moment)."""
         now = self._clock()
-        full_at = shared.decided(now) + shared.reset_after
+        decided = shared.decided(now)
+        full_at = decided + shared.reset_after
         self._full_at[domain] = max(self._full_at.get(domain, now), full_at)
+        if shared.allowed or shared.reserved:
+            moment = decided + shared.retry_after
+            for name, each in others:
+                if name not in shared.left_out:
+                    taken = moment + cost / each.rate
+                    self._full_at[name] = max(self._full_at.get(name, now), taken)
         self._prune(now)
 
     def snapshot(self) -> LocalBuckets:
@@ -308,10 +323,18 @@ class ResilientBucket:
             )
 
     async def acquire(
-        self, domain: str, limit: Limit, cost: float, others: Sequence[tuple[str, Limit]] = ()
+        self,
+        domain: str,
+        limit: Limit,
+        cost: float,
+        others: Sequence[tuple[str, Limit]] = (),
+        partial_within: float = 0,
+        reserve: float | None = None,
     ) -> Grant:
         """The decision for a request of *domain* (and of its *others* scopes, see
-        :meth:`.TokenBucket.acquire`): Redis's, or the fallback policy's."""
+        :meth:`.TokenBucket.acquire`, and *partial_within*): Redis's, or the fallback policy's.
+        *reserve*: how far ahead a moment may be reserved (default REDIS_THROTTLE_MAX_RESERVE)."""
+        reserve = self._config.max_reserve if reserve is None else reserve
         waited = False
         while True:
             if self.breaker.open_for() is None:
@@ -319,14 +342,16 @@ class ResilientBucket:
                 if share:
                     return Grant(_later(share), shared=False, handover=True)
                 try:
-                    result = await self._call_redis(domain, limit, cost, others)
+                    result = await self._call_redis(
+                        domain, limit, cost, others, partial_within, reserve
+                    )
                 except ScriptRefused:
-                    return self._paced_alone(domain, limit, cost, others)
+                    return self._paced_alone(domain, limit, cost, others, reserve)
                 if result is not None:
                     return Grant(result, shared=True, waited_for_redis=waited)
             policy = self._config.on_redis_error
             if policy == FALLBACK_LOCAL:
-                return self._paced_alone(domain, limit, cost, others)
+                return self._paced_alone(domain, limit, cost, others, reserve)
             if policy == FALLBACK_OPEN:
                 self._stats.inc_value(f"{STATS_PREFIX}/fallback/open")
                 return Grant(_ALLOWED, shared=False)
@@ -334,16 +359,19 @@ class ResilientBucket:
             await self.breaker.wait_closed()
 
     def _paced_alone(
-        self, domain: str, limit: Limit, cost: float, others: Sequence[tuple[str, Limit]]
+        self,
+        domain: str,
+        limit: Limit,
+        cost: float,
+        others: Sequence[tuple[str, Limit]],
+        reserve: float,
     ) -> Grant:
         """A decision of this worker alone: its share of *domain*'s rate (and of its other
         scopes')."""
         workers = self.workers()
         if workers is not None:
             self._stats.inc_value(f"{STATS_PREFIX}/fallback/local")
-            result = self.local.acquire(
-                domain, limit, cost, self._config.max_reserve, workers, others
-            )
+            result = self.local.acquire(domain, limit, cost, reserve, workers, others)
             return Grant(result, shared=False)
         # The fleet's size is not known, nor this worker's share: it sends nothing until Redis
         # answers, and asks again after the longest probe delay (parked meanwhile when that is
@@ -353,7 +381,13 @@ class ResilientBucket:
         return Grant(_later(self._config.probe_interval), shared=False)
 
     async def _call_redis(
-        self, domain: str, limit: Limit, cost: float, others: Sequence[tuple[str, Limit]]
+        self,
+        domain: str,
+        limit: Limit,
+        cost: float,
+        others: Sequence[tuple[str, Limit]],
+        partial_within: float,
+        reserve: float,
     ) -> AcquireResult | None:
         openings = self._openings
         result = await self._guarded(
@@ -362,14 +396,15 @@ class ResilientBucket:
                 domain,
                 limit,
                 cost,
-                self._config.max_reserve,
+                reserve,
                 busy_for=self.local.busy_for(domain),
                 others=[(name, each, self.local.busy_for(name)) for name, each in others],
+                partial_within=partial_within,
             ),
         )
         if result is None:
             return None
-        self.local.follow(domain, result)
+        self.local.follow(domain, result, others, cost)
         if openings != self._openings and self._config.on_redis_error == FALLBACK_LOCAL:
             # Redis answered a call sent before it failed: its moment was chosen without what
             # the fallback gave out meanwhile, and may collide with it. The request goes by the

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
+from urllib.request import _parse_proxy  # type: ignore[attr-defined]  # Scrapy's own parser
 
 from scrapy.utils.misc import load_object
 from tldextract import TLDExtract
@@ -137,28 +138,47 @@ def parse_meta_scope(value: object) -> Scope:
 
 # The longest proxy name (a Redis key, a line in the logs): a host name's longest, and a port.
 LONGEST_PROXY_NAME = 253 + 8
+# A proxy's "host:port" (the port optional): a name, or an IPv6 address in brackets.
+_HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[^\s:/?#@\[\]]+)(?::([0-9]{1,5}))?")
 
 
 def proxy_name(value: object) -> str | None:
     """The budget name of a request's ``meta["proxy"]`` (None: no proxy, it goes direct): its
-    proxy's host and port, without the scheme or the credentials (``proxy.example:8080``).
-    ValueError for a value that is no proxy URL; its message never shows the value (it may
-    hold credentials)."""
+    proxy's host and port, without the scheme or the credentials (``proxy.example:8080``),
+    parsed as Scrapy's ``HttpProxyMiddleware`` does. ValueError for a value that is no proxy
+    URL; its message never shows the value (it may hold credentials)."""
     if value is None or value == "":
         return None
     if not isinstance(value, str):
         raise ValueError(f"meta['proxy'] must be a proxy URL, got a {type(value).__name__}")
     try:
-        parts = urlsplit(value if "://" in value else f"http://{value}")
-        host, port = parts.hostname, parts.port
-        name = normalize_domain(host or "")
-    except ValueError:  # a port that is no number, a name IDNA refuses
-        name = ""
-    if not name or len(name) > LONGEST_PROXY_NAME:
-        raise ValueError("meta['proxy'] is no proxy URL with a host (its value is not shown)")
-    if port is None:
-        port = 443 if parts.scheme.lower() == "https" else 80
-    return f"[{name}]:{port}" if ":" in name else f"{name}:{port}"
+        scheme, _, _, host_port = _parse_proxy(value)
+    except ValueError:  # its message shows the value
+        host_port, scheme = "", None
+    default_port = 443 if (scheme or "").lower() == "https" else 80
+    try:
+        return proxy_budget(host_port, default_port)
+    except ValueError:
+        raise ValueError(
+            "meta['proxy'] is no proxy URL with a host (its value is not shown)"
+        ) from None
+
+
+def proxy_budget(host_port: str, default_port: int | None = None) -> str:
+    """The budget name of a proxy at *host_port* (``Proxy.Example:8080`` ->
+    ``proxy.example:8080``; the host as a domain's, see :func:`.rates.normalize_domain`), with
+    *default_port* when it has none (None: it must have one). ValueError otherwise."""
+    match = _HOST_PORT.fullmatch(host_port)
+    if match is None or len(host_port) > LONGEST_PROXY_NAME:
+        raise ValueError(f"no proxy host:port: {host_port!r:.100}")
+    host, port_text = match.groups()
+    port = int(port_text) if port_text else default_port
+    if port is None or not 1 <= port <= 65535:
+        raise ValueError(f"no proxy port in {host_port!r:.100}")
+    name = host.lower() if host.startswith("[") else normalize_domain(host)
+    if not name:
+        raise ValueError(f"no proxy host in {host_port!r:.100}")
+    return f"{name}:{port}"
 
 
 def shown(value: object) -> str:

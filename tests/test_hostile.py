@@ -814,6 +814,10 @@ async def test_a_domain_cannot_dodge_its_limit_with_another_spelling(
     assert arrivals == {A: 1, B: 1}, "one bucket per name, however spelled"
 
 
+# The proxy scope's name for http://ПРОКСИ.рф:80 (see scopes.proxy_name).
+RF = "xn--h1adldfi.xn--p1ai:80"
+
+
 def test_the_tool_refuses_a_url_or_a_port_and_stores_a_name_as_workers_read_it(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
@@ -824,13 +828,17 @@ def test_the_tool_refuses_a_url_or_a_port_and_stores_a_name_as_workers_read_it(
         assert "not a URL or a port" in done.stderr, done.stderr
     done = tool(*url, "set", "Bücher.Example.", "2/s", cwd=tmp_path)
     assert (done.returncode, done.stdout) == (0, "xn--bcher-kva.example: 2/s (workers' burst)\n")
-    # A proxy's budget (the "proxy" scope): its host and port.
-    done = tool(*url, "set", "Proxy.Example:8080", "10/s", cwd=tmp_path)
-    assert (done.returncode, done.stdout) == (0, "proxy.example:8080: 10/s (workers' burst)\n")
+    # A proxy's budget (the "proxy" scope): its host and port, the host as a domain's.
+    for proxy, name in (("Proxy.Example:8080", "proxy.example:8080"), ("ПРОКСИ.рф:80", RF)):
+        done = tool(*url, "set", proxy, "10/s", cwd=tmp_path)
+        assert (done.returncode, done.stdout) == (0, f"{name}: 10/s (workers' burst)\n")
+    for proxy in ("proxy.example:0", "proxy.example:65536"):
+        assert tool(*url, "set", proxy, "1/s", cwd=tmp_path).returncode == EXIT_BAD_INPUT
     with redis_server.client() as client:
         assert LiveControl(client, "redis_throttle").live_limits().keys() == {
             "xn--bcher-kva.example",
             "proxy.example:8080",
+            RF,
         }
 
 

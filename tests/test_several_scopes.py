@@ -116,6 +116,42 @@ async def test_a_moment_is_reserved_where_no_bucket_would_stand_idle_for_it(
 
 
 @async_test
+async def test_a_moment_held_near_leaves_idle_buckets_out_for_its_request_to_take_then(
+    redis_server: RedisServer,
+) -> None:
+    """Within partial_within, the moment is reserved in the host's bucket alone (the one that
+    holds the request back, in its turn); the site's and the proxy's are left out, untouched,
+    for the request to take at that moment (nothing of the site's to give back)."""
+    client = redis.asyncio.Redis(port=redis_server.port)
+    bucket = TokenBucket(client, PREFIX)
+    others = [(HOST, SLOW, 0.0), (PROXY, FAST, 0.0)]
+    try:
+        await bucket.acquire(SITE, FAST, others=others)
+        before = {name: await client.get(bucket_key(PREFIX, name)) for name in (SITE, PROXY)}
+        held = await bucket.acquire(SITE, FAST, reserve=5, others=others, partial_within=5)
+        assert held.reserved
+        assert held.left_out == (SITE, PROXY)
+        assert held.reservation is None, "nothing taken from the site's bucket"
+        assert held.moment_us is not None
+        assert 0.9 < held.retry_after <= 1.0, held
+        after = {name: await client.get(bucket_key(PREFIX, name)) for name in (SITE, PROXY)}
+        assert after == before
+        host_tat = int(await client.get(bucket_key(PREFIX, HOST)) or 0)
+        assert (
+            held.moment_us + SLOW.interval_us <= host_tat <= held.moment_us + SLOW.interval_us + 1
+        )
+        # The next request of that host waits its turn after it: no herd at one moment.
+        second = await bucket.acquire(SITE, FAST, reserve=5, others=others, partial_within=5)
+        assert 1.9 < second.retry_after <= 2.0, second
+        # Beyond partial_within, nothing is reserved: it would be parked, and asks again then.
+        far = await bucket.acquire(SITE, FAST, reserve=5, others=others, partial_within=2)
+        assert not far.reserved
+        assert far.left_out == ()
+    finally:
+        await client.aclose()
+
+
+@async_test
 async def test_another_scope_s_live_limit_and_pause_apply(redis_server: RedisServer) -> None:
     """A limit set live for the proxy (the CLI's ``set``, ``pause``) is the proxy's wherever
     it is another scope: a pause pauses every request through it."""
@@ -138,6 +174,23 @@ async def test_another_scope_s_live_limit_and_pause_apply(redis_server: RedisSer
 
 
 @async_test
+async def test_a_key_of_another_type_in_another_scope_s_bucket_is_none(
+    redis_server: RedisServer,
+) -> None:
+    """A hash written by hand where a proxy's bucket is: garbage, as a bad value in it would be
+    (every domain through that proxy would fail else); the call writes a bucket there."""
+    client = redis.asyncio.Redis(port=redis_server.port)
+    bucket = TokenBucket(client, PREFIX)
+    try:
+        await client.hset(bucket_key(PREFIX, PROXY), "x", "y")
+        assert (await bucket.acquire(SITE, FAST, others=[(PROXY, SLOW, 0)])).allowed
+        assert await client.type(bucket_key(PREFIX, PROXY)) == b"string"
+        assert not (await bucket.acquire("b.example", FAST, others=[(PROXY, SLOW, 0)])).allowed
+    finally:
+        await client.aclose()
+
+
+@async_test
 async def test_bad_limits_of_other_scopes_are_refused_by_name(redis_server: RedisServer) -> None:
     client = redis.asyncio.Redis(port=redis_server.port)
     bucket = TokenBucket(client, PREFIX)
@@ -147,12 +200,23 @@ async def test_bad_limits_of_other_scopes_are_refused_by_name(redis_server: Redi
             await bucket.acquire(SITE, FAST, others=too_many)
         with pytest.raises(ResponseError, match=r"cost 2\.0 exceeds scope 2's burst 1"):
             await bucket.acquire(SITE, FAST, cost=2, others=[(HOST, SLOW, 0)])
-        # The domain's four keys, then the host's bucket; ARGV: the domain's five, then its three.
+        # The domain's four keys, then the host's bucket; ARGV: the domain's five, partial_within,
+        # then the host's three.
         keys = [bucket_key(PREFIX, name) for name in (SITE, "rate", "quota", "log", HOST)]
         sha = await client.script_load(load_script("token_bucket.lua"))
+        # Too few arguments for partial_within and the other scope's three, or a more limit
+        # cut short.
+        short = (["1e6", "3", "1", "1e6", "0"], ["1e4", "10", "1", "0", "1e6", "1", "0"])
+        for args in (*short, ["1e4", "10", "1", "0", "0", "t", "0", "1e6", "1", "0"]):
+            with pytest.raises(ResponseError, match="1 other scopes take 5 arguments"):
+                await client.evalsha(sha, len(keys), *keys, *args)
+        for partial in ("-1", "inf", "nan", "soon"):
+            args = ["1e4", "10", "1", "0", "0", partial, "1e6", "1", "0"]
+            with pytest.raises(ResponseError, match="partial_within must be a finite number"):
+                await client.evalsha(sha, len(keys), *keys, *args)
         bad = (("0", "1", "0"), ("nan", "1", "0"), ("1e6", "0", "0"), ("1e15", "1", "0"))
         for other_args in (*bad, ("1e6", "1", "-1"), ("1e6", "1", "inf")):
-            args = ["1e4", "10", "1", "0", "0", *other_args]
+            args = ["1e4", "10", "1", "0", "0", "0", *other_args]
             with pytest.raises(ResponseError, match="scope 2's interval, burst and busy_for"):
                 await client.evalsha(sha, len(keys), *keys, *args)
     finally:
@@ -309,6 +373,10 @@ def test_several_scopes_are_refused_on_a_redis_cluster() -> None:
         ("http://proxy.example", "proxy.example:80"),
         ("http://[::1]:8080", "[::1]:8080"),
         ("http://bücher.example:1", "xn--bcher-kva.example:1"),
+        # Read as Scrapy's HttpProxyMiddleware reads them (urllib's parser), not urlsplit.
+        ("http://user:12/34@proxy.example:8080", "proxy.example:8080"),
+        ("http://APIKEY/abc=@proxy.example:8010", "proxy.example:8010"),
+        ("http://user:1234#5@proxy.example:8080", "proxy.example:8080"),
         (None, None),
         ("", None),
     ],
@@ -322,6 +390,8 @@ def test_a_proxy_s_budget_is_named_by_its_host_and_port(proxy: object, name: str
     [
         "http://user:secret@:8080",
         "http://user:secret@host:99999",
+        "http://user:secret@host:0",
+        "http://user:secret@ho st:80",
         "http://user:secret@host:port",
         "http://user:secret@" + "a" * 300 + ":1",
         b"http://user:secret@host:1",
@@ -385,3 +455,36 @@ async def test_a_bad_proxy_or_cost_fails_its_request_only(
         in record.getMessage()
         for record in caplog.records
     )
+
+
+@async_test
+async def test_requests_with_and_without_a_proxy_share_a_host_in_turn(
+    redis_server: RedisServer,
+) -> None:
+    """Half of a host's requests go through a proxy (scopes ["host", "proxy"]), half direct:
+    the host's budget binds. Each proxied request reserves its turn in the host's bucket and
+    takes the proxy's at its moment, so the direct ones, which reserve ahead, do not starve it,
+    and no crowd of requests asks again at each moment (a Redis call or two per request)."""
+    host_rate = 4
+    with ForwardProxy() as proxy, DemoSite([A], pages=16) as site:
+        requests: list[dict[str, Any]] = [
+            {"url": site.url(A, f"/page/{n}"), "meta": {"proxy": proxy.url} if n % 2 else {}}
+            for n in range(16)
+        ]
+        crawler = await run_crawl(
+            crawl_settings(redis_server.url, REDIS_THROTTLE_SCOPE=[HOST_SCOPE, PROXY_SCOPE]),
+            requests,
+            redis_throttle_rates={A: f"{host_rate}/s", proxy.address: "50/s"},
+        )
+        arrivals = site.arrivals(A)
+    stats = crawler.stats.get_stats()
+    assert stats["test/responses"] == 16
+    assert len(arrivals) == 16
+    went = released(stats, A)
+    assert_paced(went, host_rate, 1, f"{A}, as released")
+    missed = missed_moments(stats, A)
+    utilisation = achieved_rate(went, 1, missed) / host_rate
+    calls = stats["redis_throttle/redis_calls"] / 16
+    print(f"{A}: utilisation {utilisation:.2f}, missed {missed}, Redis calls per request {calls}")
+    assert utilisation >= 0.9
+    assert calls <= 2.5 + missed

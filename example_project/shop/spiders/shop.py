@@ -20,14 +20,12 @@ class ShopSpider(RedisSpider):  # type: ignore[misc]
     # What a budget is kept per: each host (the demo site's hosts are addresses). A site whose
     # hosts share one limit (www.shop.com, img.shop.com) takes "registrable_domain": one budget
     # for all of shop.com, as "shop.com" or "*.shop.com" below (docs: usage/rates, Scopes).
-    # And each proxy a request goes through (meta["proxy"], as its host:port): a request goes
-    # when both budgets allow it; the demo's go direct, so only their host's counts.
-    redis_throttle_scope: ClassVar[list[str]] = ["host", "proxy"]
-    # One budget per domain (and proxy) for the whole fleet, however many workers run this spider.
+    # Several scopes at once (one Redis or Sentinel; not on a Redis Cluster, which this project
+    # also runs on): ["host", "proxy"] adds a budget per proxy (meta["proxy"]'s host:port, e.g.
+    # "proxy.example:8080": "10/s" below), which must allow each request through it too.
+    redis_throttle_scope = "host"
+    # One budget per domain for the whole fleet, however many workers run this spider.
     redis_throttle_rates: ClassVar[dict[str, Any]] = {
-        # A proxy's budget: every request through it, to any site (without an entry, a proxy
-        # would get REDIS_THROTTLE_DEFAULT_RATE, as a site does).
-        "proxy.example:8080": "10/s",
         "127.0.0.2": "4/s",
         # Several limits, all checked in one call: a bucket of 2/s (3 back to back), and a quota
         # of 15 in any 10 s (sliding_window, exact; or fixed_window, a counter per window). The
