@@ -4,19 +4,16 @@
 from __future__ import annotations
 
 from contextvars import ContextVar
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from scrapy import Request
 
 from scrapy_redis_throttle import RedisThrottleMiddleware
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
-
     from scrapy.crawler import Crawler
     from scrapy.http import Response
 
-    from scrapy_redis_throttle.rates import Limit
     from scrapy_redis_throttle.resilience import Grant
 
 CALLS_META = "bench_redis_calls"
@@ -29,16 +26,9 @@ class CountingThrottleMiddleware(RedisThrottleMiddleware):
         super().__init__(crawler)
         acquire = self.budget.acquire
 
-        async def counted(
-            domain: str,
-            limit: Limit,
-            cost: float,
-            others: Sequence[tuple[str, Limit]] = (),
-            partial_within: float = 0,
-            reserve: float | None = None,
-        ) -> Grant:
+        async def counted(*args: Any, **kwargs: Any) -> Grant:
             _calls.get()[0] += 1
-            return await acquire(domain, limit, cost, others, partial_within, reserve)
+            return await acquire(*args, **kwargs)
 
         self.budget.acquire = counted  # type: ignore[method-assign]
 
