@@ -26,11 +26,9 @@
 -- KEYS[4]  (with more limits) the domain's log: a sorted set of the moments requests went, for
 --          the sliding windows
 -- KEYS[5..] (optional, after all four keys above) the buckets of the request's other scopes (at
---          most MAX_SCOPES - 1; see scopes.py): each must allow the request too. ARGV then ends
---          with partial_within (µs: how far ahead a moment may be reserved leaving some buckets
---          out, see below), then three arguments for each, in order: its interval, its burst (a
---          limit set live in its bucket overrides them, and one paused live pauses the request)
---          and its busy_for
+--          most MAX_SCOPES - 1; see scopes.py): each must allow the request too. ARGV ends with
+--          three arguments for each, in order: its interval, its burst (a limit set live in its
+--          bucket overrides them, and one paused live pauses the request) and its busy_for
 --
 -- With more limits or other scopes, a request goes (or reserves its moment) only when every limit
 -- and every bucket allows it, nothing is taken from any of them when one refuses, and the wait
@@ -53,11 +51,8 @@
 --                   (which may be late), so that its request goes at the moment Redis gave it
 --   remaining       with more limits: the requests they allow after this one, now (0 when it
 --                   must wait)
---   step            with status 2: µs the reservation added to the bucket's time, for
---                   unreserve.lua (with reset_after: the bucket's time after it; 0 when the
---                   domain's bucket was left out)
---   left_out        with status 2 and other scopes, last: the buckets left out of the
---                   reservation, for the caller to take at its moment (see below)
+--   step            with status 2, last: µs the reservation added to the bucket's time, for
+--                   unreserve.lua (with reset_after: the bucket's time after it)
 
 -- ARGV[index] (or default) as a number, else an error reply naming the argument: finite, and
 -- above minimum (or equal to it when inclusive).
@@ -172,18 +167,10 @@ if others > MAX_SCOPES - 1 then
   return redis.error_reply("ERR redis_throttle: at most " .. MAX_SCOPES - 1 .. " other scopes, got "
     .. others)
 end
-local more_end = #ARGV - 3 * others - (others > 0 and 1 or 0)  -- the more limits' last
+local more_end = #ARGV - 3 * others  -- the more limits' last argument
 if others > 0 and (more_end < 5 or (more_end - 5) % 3 ~= 0) then
   return redis.error_reply("ERR redis_throttle: " .. others .. " other scopes take 5 arguments, "
-    .. "3 per more limit, partial_within and 3 per other scope, got " .. #ARGV)
-end
-local partial_within = 0
-if others > 0 then
-  partial_within = tonumber(ARGV[more_end + 1])
-end
-if not (partial_within and partial_within >= 0 and partial_within < huge) then
-  return redis.error_reply("ERR redis_throttle: partial_within must be a finite number >= 0, got "
-    .. tostring(ARGV[more_end + 1]))
+    .. "3 per more limit and 3 per other scope, got " .. #ARGV)
 end
 
 -- The more limits (nil: none): those set live with the rate, else ARGV's.
@@ -250,7 +237,7 @@ local wait = math.max(0, math.floor(tat + (cost - burst) * interval - now + 0.5)
 -- Each other scope's bucket: the request's moment is the latest of those they allow it too.
 local other_buckets = {}
 for n = 1, others do
-  local index = more_end + 1 + 3 * n - 2
+  local index = more_end + 3 * n - 2
   local other_interval, other_burst, other_busy_for =
     tonumber(ARGV[index]), tonumber(ARGV[index + 1]), tonumber(ARGV[index + 2])
   if not (other_interval and other_burst and other_busy_for and other_interval > 0
@@ -369,34 +356,6 @@ if limits then
   end
 end
 
--- A bucket taken at a moment after it is free again (another scope's bucket put the request
--- later) stands idle until then, holding back its other requests (a whole domain's, a shared
--- proxy's): GCRA's one time cannot keep its tokens before that moment for them. Unless it keeps
--- one for a request now (a larger burst), such a bucket is left out: the moment is reserved in
--- the others (those that hold the request back, in their turn), and the caller takes the ones
--- left out at that moment (they are then free, or nearly). Its reply says which (a bit each:
--- 1 the domain's, 2^n other scope n's). A domain with more limits is never left out (they would
--- count twice): it refuses, the request asks again then. So does a call that may not leave any
--- out (a moment over ARGV's partial_within ahead).
-local function idles(bucket_tat, bucket_interval, bucket_burst, bucket_cost)
-  return now + wait > bucket_tat + 1 and math.max(bucket_tat, now + wait)
-    + (2 * bucket_cost - bucket_burst) * bucket_interval > now
-end
-local left_out = 0
-if others > 0 and wait > 0 and wait <= reserve then
-  if idles(tat, interval, burst, cost) then
-    left_out = 1
-  end
-  for n, other in ipairs(other_buckets) do
-    if idles(other.tat, other.interval, other.burst, other.cost) then
-      other.left_out, left_out = true, left_out + 2 ^ n
-    end
-  end
-  if left_out > 0 and (limits or wait > partial_within) then
-    reserve = -1  -- reserve nothing: the request asks again when it is due
-  end
-end
-
 if wait > reserve then
   if limits then
     return {0, wait, math.ceil(tat - now), now, 0}
@@ -406,29 +365,21 @@ end
 
 local moment = now + wait
 -- A moment the quotas or another scope put after the bucket's: the bucket counts the request
--- then. Whole µs, rounded up (the polite side): the time the request adds to, and the step it
--- adds, which unreserve.lua takes back out when a reserved request does not go (the other
--- scopes' buckets keep it: they are not given back).
+-- then (it stands idle until then: GCRA's one time keeps no tokens before it for others). Whole
+-- µs, rounded up (the polite side): the time the request adds to, and the step it adds, which
+-- unreserve.lua takes back out when a reserved request does not go (the other scopes' buckets
+-- keep it: they are not given back). Every bucket counts it at the same moment, the latest.
 local base = math.ceil((limits or others > 0) and math.max(tat, moment) or tat)
 local new_tat = math.ceil(base + cost * interval)
 local step = new_tat - base
 local reset_after = new_tat - now
-if left_out % 2 == 0 then
-  bucket_write(KEYS[1], new_tat, now, live)
-else
-  step, reset_after = 0, math.ceil(tat - now)
-end
+bucket_write(KEYS[1], new_tat, now, live)
 for n, other in ipairs(other_buckets) do
-  if not other.left_out then
-    bucket_write(KEYS[4 + n], math.ceil(math.max(other.tat, moment) + other.cost * other.interval),
-      now, other.live)
-  end
+  bucket_write(KEYS[4 + n], math.ceil(math.max(other.tat, moment) + other.cost * other.interval),
+    now, other.live)
 end
 if not limits then
   if wait > 0 then
-    if others > 0 then
-      return {2, wait, reset_after, now, step, left_out}
-    end
     return {2, wait, reset_after, now, step}
   end
   return {1, wait, reset_after, now}
@@ -487,9 +438,6 @@ if longest_window > 0 then
   redis.call("PEXPIRE", KEYS[4], math.ceil((last + longest_window - now) / 1000))
 end
 if wait > 0 then
-  if others > 0 then
-    return {2, wait, reset_after, now, 0, step, 0}
-  end
   return {2, wait, reset_after, now, 0, step}
 end
 return {1, wait, reset_after, now, math.floor(math.max(0, remaining))}

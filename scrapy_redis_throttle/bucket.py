@@ -82,9 +82,6 @@ class AcquireResult:
     reservation: Reservation | None = None
     """Reserved in Redis: what to give back if the request does not go (see
     :meth:`TokenBucket.unreserve`)."""
-    left_out: tuple[str, ...] = ()
-    """Reserved, with other scopes: the budgets left out of the reservation (the domain's, or
-    other scopes'), which the request must take at its moment (see ``lua/token_bucket.lua``)."""
 
     def decided(self, now: float) -> float:
         """When it was decided, by the loop's clock at *now*."""
@@ -98,26 +95,14 @@ UNRESERVE_BATCH = 1000
 PAUSED_POLL = 2.0
 
 
-def parse_reply(
-    reply: list[Any],
-    limit: Limit,
-    decided_at: float | None = None,
-    budgets: Sequence[str] = (),
-) -> AcquireResult:
+def parse_reply(reply: list[Any], limit: Limit, decided_at: float | None = None) -> AcquireResult:
     """The result of ``token_bucket.lua``'s reply (integers: status, microseconds, Redis's time,
-    the requests the quotas allow when it checked some, a reservation's step, and the buckets
-    it left out), decided at *decided_at*; *budgets*: the names of the call's buckets, with
-    other scopes (the domain's first)."""
+    the requests the quotas allow when it checked some, and a reservation's step), decided at
+    *decided_at*."""
     status, retry_after_us, reset_after_us, now_us, *quotas_left = reply
-    reservation: Reservation | None = None
-    left_out: tuple[str, ...] = ()
+    reservation = None
     if status == 2:
-        if budgets:
-            bits = int(quotas_left.pop())
-            left_out = tuple(name for n, name in enumerate(budgets) if bits >> n & 1)
-        step = quotas_left.pop()
-        if step:  # 0: the domain's bucket was left out, nothing to give back there
-            reservation = Reservation(now_us + reset_after_us, step, now_us)
+        reservation = Reservation(now_us + reset_after_us, quotas_left.pop(), now_us)
     if status == 3:
         return AcquireResult(
             False, False, 0.0, PAUSED_POLL, 0.0, paused=True, decided_at=decided_at
@@ -133,7 +118,6 @@ def parse_reply(
         decided_at=decided_at,
         moment_us=float(now_us + retry_after_us),
         reservation=reservation,
-        left_out=left_out,
     )
 
 
@@ -150,7 +134,6 @@ def script_args(
     reserve: float = 0,
     busy_for: float = 0,
     others: Sequence[tuple[str, Limit, float]] = (),
-    partial_within: float = 0,
 ) -> list[bytes]:
     """ARGV of ``token_bucket.lua``. ``busy_for`` is sent only when it is not 0 (the script's
     default) or more arguments follow: every argument costs client CPU on every request."""
@@ -160,7 +143,6 @@ def script_args(
             *args,
             repr(busy_for * 1e6).encode(),
             *_quota_args(limit.quotas),
-            *((_us(partial_within),) if others else ()),
             *(part for _, other, busy in others for part in (*_other_args(other), _us(busy))),
         ]
     return list(args)
@@ -253,18 +235,16 @@ class TokenBucket:
         reserve: float = 0,
         busy_for: float = 0,
         others: Sequence[tuple[str, Limit, float]] = (),
-        partial_within: float = 0,
     ) -> AcquireResult:
         """Take *cost* tokens from *domain*'s bucket if it has them, or reserve them if they will
         be there within *reserve* seconds (atomically, in one call), and as many from the
         buckets of the request's *others* scopes (name, limit and busy_for), which must all
-        allow it (see :mod:`.scopes`); a moment within *partial_within* seconds may leave some
-        of them out, for the request to take at its moment (see
-        :attr:`AcquireResult.left_out`). The bucket counts as empty for at least *busy_for*
-        seconds (tokens the caller took while Redis was unavailable). With the adaptive rate,
-        tokens refill at the domain's lowered rate, if it has one."""
+        allow it (see :mod:`.scopes`): every bucket counts it at the latest moment any allows.
+        The bucket counts as empty for at least *busy_for* seconds (tokens the caller took
+        while Redis was unavailable). With the adaptive rate, tokens refill at the domain's
+        lowered rate, if it has one."""
         key = bucket_key(self._key_prefix, domain)
-        args = script_args(limit, cost, reserve, busy_for, others, partial_within)
+        args = script_args(limit, cost, reserve, busy_for, others)
         with_quotas = bool(limit.quotas) or domain in self._live_quotas
         if with_quotas or others:
             keys = [key, key + RATE_SUFFIX, key + QUOTA_SUFFIX, key + LOG_SUFFIX]
@@ -283,8 +263,7 @@ class TokenBucket:
                 self._live_quotas.clear()  # bounded: a domain forgotten costs one call more
             self._live_quotas.add(domain)
             return await self.acquire(domain, limit, cost, reserve, busy_for, others)
-        budgets = [domain, *(name for name, _, _ in others)] if others else []
-        return parse_reply(reply, limit, clock.decided_at(sent, read, reply[3]), budgets)
+        return parse_reply(reply, limit, clock.decided_at(sent, read, reply[3]))
 
     def clock(self, domain: str) -> ServerClock:
         """Redis's clock as *domain*'s bucket sees it. On a Redis Cluster, that of the primary

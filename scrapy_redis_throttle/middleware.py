@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# The other budgets (see .scopes) a parked request's moment was reserved in.
+OTHERS_META = "_redis_throttle_others"
+
 # Download timeouts: Scrapy's own exception since 2.19, Twisted's before (and TCP connects').
 DOWNLOAD_TIMEOUTS = (
     getattr(exceptions, "DownloadTimeoutError", TwistedTimeoutError),
@@ -198,12 +201,21 @@ class RedisThrottleMiddleware:
             stats.inc_value(f"{STATS_PREFIX}/unthrottled")
             return None
         others = await self._others(request, domain)
+        names = [name for name, _ in others]
+        if ticket is not None and request.meta.get(OTHERS_META, []) != names:
+            # Its other budgets changed while it was parked (another proxy): its moment was
+            # not reserved in the new ones; it asks anew.
+            ticket = replace(ticket, reserved=False)
         cost = self._cost(request, limit, others)
         park = await self.turns.take(request, domain, limit, cost, ticket, may_park, others)
         if park is None:
             return None
-        # Back to the engine, which hands it to the parking area (see parking.attach).
-        return request.replace(meta={**request.meta, TICKET_META: park})
+        # Back to the engine, which hands it to the parking area (see parking.attach), with the
+        # other budgets its moment is reserved in.
+        meta = {**request.meta, TICKET_META: park, OTHERS_META: names}
+        if not names:
+            del meta[OTHERS_META]
+        return request.replace(meta=meta)
 
     async def process_response(self, request: Request, response: Response) -> Response:
         """A response whose status is one of ``REDIS_THROTTLE_PENALTY_HTTP_CODES`` pauses its

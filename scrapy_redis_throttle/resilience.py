@@ -186,9 +186,8 @@ class LocalBuckets:
         if shared.allowed or shared.reserved:
             moment = decided + shared.retry_after
             for name, each in others:
-                if name not in shared.left_out:
-                    taken = moment + cost / each.rate
-                    self._full_at[name] = max(self._full_at.get(name, now), taken)
+                taken = moment + cost / each.rate
+                self._full_at[name] = max(self._full_at.get(name, now), taken)
         self._prune(now)
 
     def snapshot(self) -> LocalBuckets:
@@ -328,13 +327,9 @@ class ResilientBucket:
         limit: Limit,
         cost: float,
         others: Sequence[tuple[str, Limit]] = (),
-        partial_within: float = 0,
-        reserve: float | None = None,
     ) -> Grant:
         """The decision for a request of *domain* (and of its *others* scopes, see
-        :meth:`.TokenBucket.acquire`, and *partial_within*): Redis's, or the fallback policy's.
-        *reserve*: how far ahead a moment may be reserved (default REDIS_THROTTLE_MAX_RESERVE)."""
-        reserve = self._config.max_reserve if reserve is None else reserve
+        :meth:`.TokenBucket.acquire`): Redis's, or the fallback policy's."""
         waited = False
         while True:
             if self.breaker.open_for() is None:
@@ -342,16 +337,14 @@ class ResilientBucket:
                 if share:
                     return Grant(_later(share), shared=False, handover=True)
                 try:
-                    result = await self._call_redis(
-                        domain, limit, cost, others, partial_within, reserve
-                    )
+                    result = await self._call_redis(domain, limit, cost, others)
                 except ScriptRefused:
-                    return self._paced_alone(domain, limit, cost, others, reserve)
+                    return self._paced_alone(domain, limit, cost, others)
                 if result is not None:
                     return Grant(result, shared=True, waited_for_redis=waited)
             policy = self._config.on_redis_error
             if policy == FALLBACK_LOCAL:
-                return self._paced_alone(domain, limit, cost, others, reserve)
+                return self._paced_alone(domain, limit, cost, others)
             if policy == FALLBACK_OPEN:
                 self._stats.inc_value(f"{STATS_PREFIX}/fallback/open")
                 return Grant(_ALLOWED, shared=False)
@@ -364,14 +357,15 @@ class ResilientBucket:
         limit: Limit,
         cost: float,
         others: Sequence[tuple[str, Limit]],
-        reserve: float,
     ) -> Grant:
         """A decision of this worker alone: its share of *domain*'s rate (and of its other
         scopes')."""
         workers = self.workers()
         if workers is not None:
             self._stats.inc_value(f"{STATS_PREFIX}/fallback/local")
-            result = self.local.acquire(domain, limit, cost, reserve, workers, others)
+            result = self.local.acquire(
+                domain, limit, cost, self._config.max_reserve, workers, others
+            )
             return Grant(result, shared=False)
         # The fleet's size is not known, nor this worker's share: it sends nothing until Redis
         # answers, and asks again after the longest probe delay (parked meanwhile when that is
@@ -386,8 +380,6 @@ class ResilientBucket:
         limit: Limit,
         cost: float,
         others: Sequence[tuple[str, Limit]],
-        partial_within: float,
-        reserve: float,
     ) -> AcquireResult | None:
         openings = self._openings
         result = await self._guarded(
@@ -396,10 +388,9 @@ class ResilientBucket:
                 domain,
                 limit,
                 cost,
-                reserve,
+                self._config.max_reserve,
                 busy_for=self.local.busy_for(domain),
                 others=[(name, each, self.local.busy_for(name)) for name, each in others],
-                partial_within=partial_within,
             ),
         )
         if result is None:

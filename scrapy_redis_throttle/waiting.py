@@ -93,10 +93,7 @@ class Turns:
             delayed = ticket is not None
             while True:
                 asked_at = time.time()
-                # Held here, a moment may leave idle buckets out (see lua/token_bucket.lua): they
-                # are taken at the moment; a parked request's may not.
-                partial_within = self._config.max_hold if may_park else self._config.max_reserve
-                grant = await self._budget.acquire(domain, limit, cost, others, partial_within)
+                grant = await self._budget.acquire(domain, limit, cost, others)
                 result = grant.result
                 decided = result.decided(asyncio.get_running_loop().time())
                 delayed = delayed or grant.waited_for_redis
@@ -142,7 +139,7 @@ class Turns:
                     moment_us = result.moment_us if grant.shared else None
                     if await self._hold_until(
                         domain, moment, moment_us, asked_at, local=not grant.shared
-                    ) and await self._take_left_out(domain, limit, cost, others, result.left_out):
+                    ):
                         self._went(request, domain, since, delayed)
                         return None
                     continue
@@ -150,8 +147,8 @@ class Turns:
                     await sleep(result.retry_after)
                     continue
                 if result.retry_after <= self._config.max_reserve:
-                    # Not reserved though near: its scopes' buckets are free at different
-                    # moments (see lua/token_bucket.lua); it asks again at the latest.
+                    # Not reserved though near (a fixed window's room too many windows ahead):
+                    # it asks again then.
                     await sleep(result.retry_after)
                     continue
                 # Too far ahead to reserve: come back when it is not.
@@ -185,39 +182,6 @@ class Turns:
             # it was reserved): the rest of the wait still holds.
             if loop.time() >= moment - MOMENT_SLACK:
                 return True
-
-    async def _take_left_out(
-        self,
-        domain: str,
-        limit: Limit,
-        cost: float,
-        others: Sequence[tuple[str, Limit]],
-        left_out: tuple[str, ...],
-    ) -> bool:
-        """At a moment reserved leaving some of its buckets out, take those (free then, or
-        nearly): whether they allow the request within ``MISSED_AFTER``. Else its moment is
-        missed (counted), and it asks anew."""
-        if not left_out:
-            return True
-        limits = dict([(domain, limit), *others])
-        first, *rest = left_out
-        grant = await self._budget.acquire(
-            first, limits[first], cost, [(name, limits[name]) for name in rest], 0, MISSED_AFTER
-        )
-        result = grant.result
-        if result.allowed:
-            return True
-        if result.reserved and result.retry_after <= MISSED_AFTER:
-            await sleep(result.retry_after)
-            return True
-        self._stats.inc_value(f"{STATS_PREFIX}/missed_moments")
-        logger.debug(
-            "Redis throttle: a request missed its moment for %(domain)r: %(budgets)s did not "
-            "allow it then; it asks for a new one",
-            {"domain": domain, "budgets": ", ".join(map(repr, left_out))},
-            extra=self._log_extra(),
-        )
-        return False
 
     def _missed(self, domain: str, moment: float) -> bool:
         """Whether it is over ``MISSED_AFTER`` too late to go at *moment* (counted)."""
@@ -294,8 +258,8 @@ class Turns:
         if result.reserved or result.paused:
             delay = result.retry_after
         elif result.retry_after <= self._config.max_reserve:
-            # Refused though near, its buckets free at different moments (see
-            # lua/token_bucket.lua): back at its moment, given back RELEASE_AHEAD early.
+            # Refused though near (a fixed window's room too many windows ahead): back then,
+            # given back RELEASE_AHEAD early.
             delay = result.retry_after + RELEASE_AHEAD
         else:
             # Due when its tokens can be reserved, counting that the parking area gives it back

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from forward_proxy import ForwardProxy
 from local_redis import RedisServer
 from loopback_names import resolving
 from redis.exceptions import ResponseError
+from scrapy import Request, signals
 from scrapy.settings import Settings
 from support import (
     achieved_rate,
@@ -81,72 +83,27 @@ async def test_every_scope_must_allow_a_request_and_a_refusal_takes_nothing(
 
 
 @async_test
-async def test_a_moment_is_reserved_where_no_bucket_would_stand_idle_for_it(
+async def test_a_reserved_moment_is_the_latest_any_scope_allows(
     redis_server: RedisServer,
 ) -> None:
-    """The host's bucket puts the moment a second ahead. Reserved then, the site's bucket (and
-    the proxy's) would stand idle until that moment, holding back the site's other hosts:
-    nothing is taken, the request asks again at its moment. Where their bursts keep a token for
-    a request now, the moment is reserved in every bucket: each counts the request then."""
+    """The host's bucket puts the moment a second ahead: every bucket counts the request then
+    (the site's next request may go 10 ms after that moment, not 10 ms from now), and the next
+    request of that host takes the moment after it, in its turn."""
     client = redis.asyncio.Redis(port=redis_server.port)
     bucket = TokenBucket(client, PREFIX)
     others = [(HOST, SLOW, 0.0), (PROXY, FAST, 0.0)]
     try:
         await bucket.acquire(SITE, FAST, others=others)
-        site_before = await client.get(bucket_key(PREFIX, SITE))
-        refused = await bucket.acquire(SITE, FAST, reserve=5, others=others)
-        assert not refused.allowed
-        assert not refused.reserved
-        assert 0.9 < refused.retry_after <= 1.0, refused
-        assert await client.get(bucket_key(PREFIX, SITE)) == site_before, "nothing taken"
-
-        roomy = Limit(rate=100, burst=200, text="100/s, burst 200")
-        others = [("www.big.example", SLOW, 0.0), (PROXY, roomy, 0.0)]
-        await bucket.acquire("big.example", roomy, others=others)
-        reserved = await bucket.acquire("big.example", roomy, reserve=5, others=others)
+        reserved = await bucket.acquire(SITE, FAST, reserve=5, others=others)
         assert reserved.reserved
         assert reserved.moment_us is not None
         assert 0.9 < reserved.retry_after <= 1.0, reserved
-        for name, limit in (("big.example", roomy), (PROXY, roomy), ("www.big.example", SLOW)):
+        for name, limit in ((SITE, FAST), (PROXY, FAST), (HOST, SLOW)):
             tat = int(await client.get(bucket_key(PREFIX, name)) or 0)
             expected = reserved.moment_us + limit.interval_us
             assert expected <= tat <= expected + 1, (name, tat - reserved.moment_us)
-    finally:
-        await client.aclose()
-
-
-@async_test
-async def test_a_moment_held_near_leaves_idle_buckets_out_for_its_request_to_take_then(
-    redis_server: RedisServer,
-) -> None:
-    """Within partial_within, the moment is reserved in the host's bucket alone (the one that
-    holds the request back, in its turn); the site's and the proxy's are left out, untouched,
-    for the request to take at that moment (nothing of the site's to give back)."""
-    client = redis.asyncio.Redis(port=redis_server.port)
-    bucket = TokenBucket(client, PREFIX)
-    others = [(HOST, SLOW, 0.0), (PROXY, FAST, 0.0)]
-    try:
-        await bucket.acquire(SITE, FAST, others=others)
-        before = {name: await client.get(bucket_key(PREFIX, name)) for name in (SITE, PROXY)}
-        held = await bucket.acquire(SITE, FAST, reserve=5, others=others, partial_within=5)
-        assert held.reserved
-        assert held.left_out == (SITE, PROXY)
-        assert held.reservation is None, "nothing taken from the site's bucket"
-        assert held.moment_us is not None
-        assert 0.9 < held.retry_after <= 1.0, held
-        after = {name: await client.get(bucket_key(PREFIX, name)) for name in (SITE, PROXY)}
-        assert after == before
-        host_tat = int(await client.get(bucket_key(PREFIX, HOST)) or 0)
-        assert (
-            held.moment_us + SLOW.interval_us <= host_tat <= held.moment_us + SLOW.interval_us + 1
-        )
-        # The next request of that host waits its turn after it: no herd at one moment.
-        second = await bucket.acquire(SITE, FAST, reserve=5, others=others, partial_within=5)
-        assert 1.9 < second.retry_after <= 2.0, second
-        # Beyond partial_within, nothing is reserved: it would be parked, and asks again then.
-        far = await bucket.acquire(SITE, FAST, reserve=5, others=others, partial_within=2)
-        assert not far.reserved
-        assert far.left_out == ()
+        after = await bucket.acquire(SITE, FAST, reserve=5, others=others)
+        assert 1.9 < after.retry_after <= 2.0, after
     finally:
         await client.aclose()
 
@@ -200,23 +157,17 @@ async def test_bad_limits_of_other_scopes_are_refused_by_name(redis_server: Redi
             await bucket.acquire(SITE, FAST, others=too_many)
         with pytest.raises(ResponseError, match=r"cost 2\.0 exceeds scope 2's burst 1"):
             await bucket.acquire(SITE, FAST, cost=2, others=[(HOST, SLOW, 0)])
-        # The domain's four keys, then the host's bucket; ARGV: the domain's five, partial_within,
-        # then the host's three.
+        # The domain's four keys, then the host's bucket; ARGV: the domain's five, then its three.
         keys = [bucket_key(PREFIX, name) for name in (SITE, "rate", "quota", "log", HOST)]
         sha = await client.script_load(load_script("token_bucket.lua"))
-        # Too few arguments for partial_within and the other scope's three, or a more limit
-        # cut short.
+        # Too few arguments for the other scope's three, or a more limit cut short.
         short = (["1e6", "3", "1", "1e6", "0"], ["1e4", "10", "1", "0", "1e6", "1", "0"])
-        for args in (*short, ["1e4", "10", "1", "0", "0", "t", "0", "1e6", "1", "0"]):
+        for args in (*short, ["1e4", "10", "1", "0", "0", "t", "1e6", "1", "0"]):
             with pytest.raises(ResponseError, match="1 other scopes take 5 arguments"):
-                await client.evalsha(sha, len(keys), *keys, *args)
-        for partial in ("-1", "inf", "nan", "soon"):
-            args = ["1e4", "10", "1", "0", "0", partial, "1e6", "1", "0"]
-            with pytest.raises(ResponseError, match="partial_within must be a finite number"):
                 await client.evalsha(sha, len(keys), *keys, *args)
         bad = (("0", "1", "0"), ("nan", "1", "0"), ("1e6", "0", "0"), ("1e15", "1", "0"))
         for other_args in (*bad, ("1e6", "1", "-1"), ("1e6", "1", "inf")):
-            args = ["1e4", "10", "1", "0", "0", "0", *other_args]
+            args = ["1e4", "10", "1", "0", "0", *other_args]
             with pytest.raises(ResponseError, match="scope 2's interval, burst and busy_for"):
                 await client.evalsha(sha, len(keys), *keys, *args)
     finally:
@@ -227,10 +178,12 @@ def test_a_fleet_keeps_to_a_domain_s_budget_and_each_host_s_at_once(
     redis_server: RedisServer,
 ) -> None:
     """Three worker processes crawl three hosts of shop.com, whose server allows 5/s for them
-    all together and 2/s for each host (a 429 above either): with the scopes
-    ["registrable_domain", "host"] and a limit for each, none is refused, and the domain's
-    budget, the one that binds (3 x 2/s is more), is used."""
-    domain_rate, host_rate = 5, 2
+    all together and 4/s for each host (a 429 above either): with the scopes
+    ["registrable_domain", "host"] and a limit for each, none is refused. Each worker's host
+    has a queue of requests, which reserve their moments at the host's pace and the domain's
+    with them: the domain's budget is used at least at one host's pace (see docs, "Several
+    scopes at once"; 0.81 of it in this set-up when measured, 0.43 with hosts at 2/s)."""
+    domain_rate, host_rate = 5, 4
     overload = {
         "*": (int(1 + domain_rate * 1.1), 1),
         **{host: (int(1 + host_rate * 1.1), 1) for host in HOSTS},
@@ -265,7 +218,7 @@ def test_a_fleet_keeps_to_a_domain_s_budget_and_each_host_s_at_once(
     missed = missed_moments(all_stats, "shop.com")
     utilisation = achieved_rate([a.time for a in arrivals], 1, missed) / domain_rate
     print(f"shop.com: utilisation {utilisation:.2f}, missed moments {missed}")
-    assert utilisation >= 0.9
+    assert utilisation >= 0.9 * host_rate / domain_rate
 
 
 def test_a_fleet_keeps_to_a_proxy_s_budget_and_each_site_s_at_once(
@@ -273,9 +226,9 @@ def test_a_fleet_keeps_to_a_proxy_s_budget_and_each_site_s_at_once(
 ) -> None:
     """Three worker processes crawl three sites through one real forward proxy (with
     credentials), which may send 4/s in all (the sites' server refuses more, with a 429), each
-    site allowing 3/s: with the scopes ["host", "proxy"], none is refused and the proxy's
+    site allowing 5/s: with the scopes ["host", "proxy"], none is refused and the proxy's
     budget, the one that binds, is used. Its credentials are in no log and no Redis key."""
-    proxy_rate, site_rate, secret = 4, 3, "s3cret-of-the-proxy"
+    proxy_rate, site_rate, secret = 4, 5, "s3cret-of-the-proxy"
     overload = {
         "*": (int(1 + proxy_rate * 1.1), 1),
         **{host: (int(1 + site_rate * 1.1), 1) for host in HOSTS},
@@ -462,9 +415,10 @@ async def test_requests_with_and_without_a_proxy_share_a_host_in_turn(
     redis_server: RedisServer,
 ) -> None:
     """Half of a host's requests go through a proxy (scopes ["host", "proxy"]), half direct:
-    the host's budget binds. Each proxied request reserves its turn in the host's bucket and
-    takes the proxy's at its moment, so the direct ones, which reserve ahead, do not starve it,
-    and no crowd of requests asks again at each moment (a Redis call or two per request)."""
+    the host's budget binds. Each proxied request reserves its turn in the host's bucket (and
+    the proxy's at that moment), as the direct ones do: none starves, and no crowd of requests
+    asks again at each moment (one Redis call per request; 4.0 when they asked again at their
+    moment instead)."""
     host_rate = 4
     with ForwardProxy() as proxy, DemoSite([A], pages=16) as site:
         requests: list[dict[str, Any]] = [
@@ -487,4 +441,37 @@ async def test_requests_with_and_without_a_proxy_share_a_host_in_turn(
     calls = stats["redis_throttle/redis_calls"] / 16
     print(f"{A}: utilisation {utilisation:.2f}, missed {missed}, Redis calls per request {calls}")
     assert utilisation >= 0.9
-    assert calls <= 2.5 + missed
+    assert calls <= 1.5 + missed
+
+
+@async_test
+async def test_a_parked_request_whose_proxy_changed_asks_anew(redis_server: RedisServer) -> None:
+    """A request parked with its moment reserved in its host's and its proxy's buckets comes
+    back through another proxy (a rotating-proxy middleware changed meta["proxy"] meanwhile):
+    its moment was not reserved in that proxy's bucket, so it asks anew and waits for it."""
+    with ForwardProxy() as first, ForwardProxy() as second, DemoSite([A], pages=4) as site:
+        parked = site.url(A, "/page/1")
+        requests = [
+            {"url": site.url(A, "/page/0"), "meta": {"proxy": second.url}},
+            {"url": parked, "meta": {"proxy": first.url}},
+        ]
+        scheduled: Counter[str] = Counter()
+
+        def switch_proxy_on_the_way_back(request: Request, **_: Any) -> None:
+            scheduled[request.url] += 1
+            # Scheduled at the start, to be parked, and given back: the third time.
+            if request.url == parked and scheduled[request.url] == 3:
+                request.meta["proxy"] = second.url
+
+        crawler = await run_crawl(
+            crawl_settings(redis_server.url, REDIS_THROTTLE_SCOPE=[HOST_SCOPE, PROXY_SCOPE]),
+            requests,
+            {signals.request_scheduled: switch_proxy_on_the_way_back},
+            redis_throttle_rates={A: "1/2s", first.address: "10/s", second.address: "1/4s"},
+        )
+    stats = crawler.stats.get_stats()
+    assert stats["test/responses"] == 2
+    assert scheduled[parked] >= 3, "parked, and given back"
+    went = released(stats, A)
+    assert len(went) == 2
+    assert went[1] - went[0] >= 4 - 0.01, f"{went[1] - went[0]:.3f} s apart"
