@@ -208,6 +208,24 @@ def pages(
     ]
 
 
+def shared_jobs(
+    settings: dict[str, Any],
+    requests: list[dict[str, Any]],
+    rates: dict[str, Any],
+    workers: int = 3,
+) -> list[dict[str, Any]]:
+    """Jobs (for :func:`start_crawl_workers`) of *workers* workers that share *requests* in
+    turn, with *settings* and the spider attribute ``redis_throttle_rates`` *rates*."""
+    return [
+        {
+            "settings": settings,
+            "requests": requests[worker::workers],
+            "spider_attributes": {"redis_throttle_rates": rates},
+        }
+        for worker in range(workers)
+    ]
+
+
 def one_domain_jobs(
     site: DemoSite,
     host: str,
@@ -338,6 +356,7 @@ __all__ = [
     "redis_now_us",
     "released",
     "run_crawl",
+    "shared_jobs",
     "start_crawl_workers",
     "token_bucket",
     "tool",

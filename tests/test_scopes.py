@@ -31,6 +31,7 @@ from support import (
     missed_moments,
     released,
     run_crawl,
+    shared_jobs,
     start_crawl_workers,
 )
 from twisted.internet.address import IPv4Address
@@ -160,14 +161,7 @@ def test_a_fleet_keeps_one_budget_for_every_host_of_a_registrable_domain(
         settings = crawl_settings(
             redis_server.url, REDIS_THROTTLE_SCOPE=REGISTRABLE_DOMAIN, **resolving(NAMES)
         )
-        jobs = [
-            {
-                "settings": settings,
-                "requests": requests[worker::3],
-                "spider_attributes": {"redis_throttle_rates": {"*.shop.com": f"{rate}/s"}},
-            }
-            for worker in range(3)
-        ]
+        jobs = shared_jobs(settings, requests, {"*.shop.com": f"{rate}/s"})
         all_stats = finish_crawl_workers(start_crawl_workers(redis_server.url, jobs), 90)
         arrivals = site.arrivals()
     assert sorted((a.host, a.path) for a in arrivals) == sorted(
@@ -194,14 +188,7 @@ def test_a_fleet_keeps_one_budget_for_every_host_of_a_server(redis_server: Redis
             {"url": f"http://{name}:{site.port}/page/{n}"} for n in range(10) for name in names
         ]
         settings = crawl_settings(redis_server.url, REDIS_THROTTLE_SCOPE=IP, **resolving(names))
-        jobs = [
-            {
-                "settings": settings,
-                "requests": requests[worker::3],
-                "spider_attributes": {"redis_throttle_rates": {A: f"{rate}/s"}},
-            }
-            for worker in range(3)
-        ]
+        jobs = shared_jobs(settings, requests, {A: f"{rate}/s"})
         all_stats = finish_crawl_workers(start_crawl_workers(redis_server.url, jobs), 90)
         arrivals = site.arrivals()
     assert [a for a in arrivals if a.status != 200] == []

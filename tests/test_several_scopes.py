@@ -32,6 +32,7 @@ from support import (
     missed_moments,
     released,
     run_crawl,
+    shared_jobs,
     start_crawl_workers,
 )
 
@@ -198,14 +199,7 @@ def test_a_fleet_keeps_to_a_domain_s_budget_and_each_host_s_at_once(
             **resolving(NAMES),
         )
         rates = {"shop.com": f"{domain_rate}/s", "*.shop.com": f"{host_rate}/s"}
-        jobs = [
-            {
-                "settings": settings,
-                "requests": requests[worker::3],
-                "spider_attributes": {"redis_throttle_rates": rates},
-            }
-            for worker in range(3)
-        ]
+        jobs = shared_jobs(settings, requests, rates)
         all_stats = finish_crawl_workers(start_crawl_workers(redis_server.url, jobs), 90)
         arrivals = site.arrivals()
     assert [a for a in arrivals if a.status != 200] == []
@@ -247,14 +241,7 @@ def test_a_fleet_keeps_to_a_proxy_s_budget_and_each_site_s_at_once(
             redis_server.url, REDIS_THROTTLE_SCOPE=[HOST_SCOPE, PROXY_SCOPE], LOG_LEVEL="DEBUG"
         )
         rates = {**dict.fromkeys(HOSTS, f"{site_rate}/s"), address: f"{proxy_rate}/s"}
-        jobs = [
-            {
-                "settings": settings,
-                "requests": requests[worker::3],
-                "spider_attributes": {"redis_throttle_rates": rates},
-            }
-            for worker in range(3)
-        ]
+        jobs = shared_jobs(settings, requests, rates)
         logs: list[str] = []
         all_stats = finish_crawl_workers(start_crawl_workers(redis_server.url, jobs), 90, logs)
         arrivals = site.arrivals()
