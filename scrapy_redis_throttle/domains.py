@@ -126,9 +126,7 @@ class Domains:
                 named = registrable_domain(host)
             elif scope.name == IP:
                 named = self._addresses.cached(host) or host
-            elif scope.name == PROXY:  # a robots.txt: its site's, not a proxy's (see of_robots_txt)
-                named = host
-            else:
+            else:  # a host's; under the proxy scope, a robots.txt's site's
                 named = host
             return self._meta_named(request, named)
         try:

@@ -47,6 +47,7 @@ A, B, _ = HOSTS
 KEY = bucket_key("ns", A)
 SLIDING = "sliding_window"
 FIXED = "fixed_window"
+WINDOW_OF_ONE = {"rate": "1/0.1s", "algorithm": FIXED}
 
 
 def limit(*specs: object) -> Limit:
@@ -550,3 +551,24 @@ async def test_fixed_windows_reserve_at_most_64_windows_ahead(redis_server: Redi
     assert len(windows) <= 65, "the current window and 64 after it, at most"
     assert after_garbage.allowed or after_garbage.reserved
     assert len(rewritten) <= 2, "the far windows are gone"
+
+
+@async_test
+async def test_a_request_due_too_many_windows_ahead_waits_for_its_window(
+    redis_server: RedisServer,
+) -> None:
+    """70 requests to a domain with a fixed window of 1 per 0.1 s: those due over 64 windows
+    ahead (about 6.5 s, within REDIS_THROTTLE_MAX_RESERVE) reserve nothing; each waits until
+    then (parked) and asks again once, instead of asking again at once, and again (it did: a
+    wait counted from REDIS_THROTTLE_MAX_RESERVE before it was over)."""
+    with DemoSite([A], pages=70) as site:
+        crawler = await run_crawl(
+            crawl_settings(redis_server.url),
+            pages(site, A, 70),
+            redis_throttle_rates={A: [{"rate": "1000/s", "burst": 1000}, WINDOW_OF_ONE]},
+        )
+    stats = crawler.stats.get_stats()
+    assert stats["test/responses"] == 70
+    calls = stats["redis_throttle/redis_calls"]
+    print(f"{calls} Redis calls for 70 requests")
+    assert calls <= 70 + 2 * 10, f"{calls} Redis calls for 70 requests"
