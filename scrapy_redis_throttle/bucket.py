@@ -141,7 +141,7 @@ def script_args(
     if busy_for > 0 or limit.quotas or others:
         return [
             *args,
-            repr(busy_for * 1e6).encode(),
+            _us(busy_for),
             *_quota_args(limit.quotas),
             *(part for _, other, busy in others for part in (*_other_args(other), _us(busy))),
         ]
@@ -163,6 +163,7 @@ def _other_args(limit: Limit) -> tuple[bytes, bytes]:
 
 
 def _us(seconds: float) -> bytes:
+    """*seconds* as the script's microseconds."""
     return b"0" if seconds <= 0 else repr(seconds * 1e6).encode()
 
 

@@ -90,8 +90,10 @@ class Domains:
         """The budgets of *request*'s other scopes (see :mod:`.scopes`), each with its scope:
         those that name one (the proxy scope names none for a request that goes direct), and
         that *domain* or another one before it is not already."""
+        if not self._other_scopes:
+            return []
         host = urlparse_cached(request).hostname
-        if not self._other_scopes or not host:
+        if not host:
             return []
         names, budgets = {domain}, []
         for scope in self._other_scopes:

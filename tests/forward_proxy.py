@@ -36,10 +36,11 @@ import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from processes import wait_until
 from proxy.http.parser import HttpParser
 from proxy.http.proxy import HttpProxyBasePlugin
 
@@ -251,48 +252,48 @@ class ForwardProxy:
         self.stop()
 
     def _wait_for_port(self, port_file: Path) -> int:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while True:
-            self._check_alive()
+        def written() -> bool:
             # proxy.py writes "PORT\n" after it has bound: a line without its newline is
             # still being written.
             try:
-                text = port_file.read_text()
+                return port_file.read_text().endswith("\n")
             except FileNotFoundError:
-                text = ""
-            if text.endswith("\n"):
-                return int(text.split()[0])
-            self._check_deadline(deadline, "write its port file")
-            time.sleep(POLL_INTERVAL)
+                return False
+
+        self._wait(written, "write its port file")
+        return int(port_file.read_text().split()[0])
 
     def _wait_until_serving(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while True:
-            self._check_alive()
+        def serving() -> bool:
             try:
                 with socket.create_connection((self.host, self.port), timeout=1) as sock:
                     sock.sendall(READINESS_PROBE)
-                    if sock.recv(64).startswith(b"HTTP/1."):
-                        return
+                    return sock.recv(64).startswith(b"HTTP/1.")
             except OSError:
-                pass
-            self._check_deadline(deadline, f"answer HTTP on {self.address}")
-            time.sleep(POLL_INTERVAL)
+                return False
 
-    def _check_alive(self) -> None:
-        assert self.process is not None
-        if _has_exited(self.process):
-            raise RuntimeError(
-                f"proxy.py exited during startup ({self._describe()});"
-                f" its output ends with:\n{self._log_tail()}"
-            )
+        self._wait(serving, f"answer HTTP on {self.address}")
 
-    def _check_deadline(self, deadline: float, what: str) -> None:
-        if time.monotonic() > deadline:
+    def _wait(self, ready: Callable[[], bool], what: str) -> None:
+        """Poll *ready* (see :func:`processes.wait_until`) while the proxy runs; fail saying
+        why, with the end of its output."""
+
+        def alive_and_ready() -> bool:
+            assert self.process is not None
+            if _has_exited(self.process):
+                raise RuntimeError(
+                    f"proxy.py exited during startup ({self._describe()});"
+                    f" its output ends with:\n{self._log_tail()}"
+                )
+            return ready()
+
+        try:
+            wait_until(alive_and_ready, STARTUP_TIMEOUT, what, POLL_INTERVAL)
+        except AssertionError:
             raise RuntimeError(
                 f"proxy.py did not {what} within {STARTUP_TIMEOUT} s ({self._describe()});"
                 f" its output ends with:\n{self._log_tail()}"
-            )
+            ) from None
 
     def _describe(self) -> str:
         assert self.process is not None
