@@ -10,11 +10,15 @@
 -- ARGV[2]  burst: bucket size in tokens, >= 1
 -- ARGV[3]  cost: tokens this request takes, > 0 and <= burst
 -- ARGV[4]  reserve (optional, default 0): microseconds; a request that could go within that time
---          reserves its tokens now for the moment they are there
--- ARGV[5]  busy_for (optional, default 0): microseconds; the bucket is not full before now plus
---          this, whatever it holds: the caller took tokens from its local fallback while Redis
---          was unavailable, and they count here too
--- ARGV[6..] (optional) more limits of the domain (at most MAX_LIMITS), checked with the bucket
+--          (from not_before, when that is later than now) reserves its tokens now for the moment
+--          they are there. Below 0: nothing is taken, the reply only tells when (a peek)
+-- ARGV[5]  busy_for (optional, default 0): microseconds; the bucket is not full before now (or
+--          not_before, when that is later) plus this, whatever it holds: the caller took tokens
+--          from its local fallback while Redis was unavailable, and they count here too
+-- ARGV[6]  not_before (optional, default 0): µs since the epoch by Redis's clock; the request's
+--          moment is not before it (the moment its other scopes' buckets gave it, on other nodes
+--          of a Redis Cluster: see across_nodes.py)
+-- ARGV[7..] (optional) more limits of the domain (at most MAX_LIMITS), checked with the bucket
 --          in this call, three arguments each: the algorithm ("t" token bucket, "f" fixed window,
 --          "s" sliding window), its count (the bucket's burst, or the requests per window, an
 --          integer, at most MAX_SLIDING_COUNT for a sliding window) and its period in
@@ -123,15 +127,17 @@ end
 local huge = math.huge
 local interval, burst, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local reserve, busy_for = tonumber(ARGV[4] or "0"), tonumber(ARGV[5] or "0")
-if not (interval and burst and cost and reserve and busy_for
+local not_before = tonumber(ARGV[6] or "0")
+if not (interval and burst and cost and reserve and busy_for and not_before
     and interval > 0 and interval <= MAX_INTERVAL and burst >= 1 and burst < huge
-    and cost > 0 and cost < huge and reserve >= 0 and reserve < huge
-    and busy_for >= 0 and busy_for < huge) then
+    and cost > 0 and cost < huge and reserve > -huge and reserve < huge
+    and busy_for >= 0 and busy_for < huge and not_before >= 0 and not_before < huge) then
   number_arg(1, "interval", 0, false)
   number_arg(2, "burst", 1, true)
   number_arg(3, "cost", 0, false)
-  number_arg(4, "reserve", 0, true, "0")
+  number_arg(4, "reserve", -huge, false, "0")
   number_arg(5, "busy_for", 0, true, "0")
+  number_arg(6, "not_before", 0, true, "0")
   return redis.error_reply("ERR redis_throttle: interval must be at most 1e14, got " .. ARGV[1])
 end
 if cost > burst then
@@ -142,6 +148,10 @@ end
 -- Server time, so that workers on machines with skewed clocks agree. Counted in microseconds
 -- from 2024-01-01 to keep the numbers small enough for sub-microsecond precision in doubles.
 local now = server_now()
+if not_before >= now + MAX_AHEAD then
+  return redis.error_reply("ERR redis_throttle: not_before must be before now + 1e15, got "
+    .. ARGV[6])
+end
 
 -- The state is an integer (microseconds), which Redis keeps inside the key's value object, with
 -- no string to allocate: as little memory per domain as any key with an expiry can take
@@ -168,8 +178,8 @@ if others > MAX_SCOPES - 1 then
     .. others)
 end
 local more_end = #ARGV - 3 * others  -- the more limits' last argument
-if others > 0 and (more_end < 5 or (more_end - 5) % 3 ~= 0) then
-  return redis.error_reply("ERR redis_throttle: " .. others .. " other scopes take 5 arguments, "
+if others > 0 and (more_end < 6 or (more_end - 6) % 3 ~= 0) then
+  return redis.error_reply("ERR redis_throttle: " .. others .. " other scopes take 6 arguments, "
     .. "3 per more limit and 3 per other scope, got " .. #ARGV)
 end
 
@@ -196,13 +206,13 @@ if live_limits and live_limits ~= "" then
   if #limits == 0 then
     limits = nil
   end
-elseif not live_limits and more_end >= 6 then
-  if more_end > 5 + 3 * MAX_LIMITS then
+elseif not live_limits and more_end >= 7 then
+  if more_end > 6 + 3 * MAX_LIMITS then
     return redis.error_reply("ERR redis_throttle: at most " .. MAX_LIMITS .. " more limits, got "
-      .. (more_end - 5) / 3)
+      .. (more_end - 6) / 3)
   end
   limits = {}
-  for index = 6, more_end, 3 do
+  for index = 7, more_end, 3 do
     limits[#limits + 1] = {ARGV[index], ARGV[index + 1], ARGV[index + 2]}
   end
 end
@@ -226,13 +236,19 @@ if KEYS[2] then
   end
 end
 
-if tat == nil or tat < now + busy_for then
-  tat = now + busy_for
+-- busy_for counts from not_before, when that is later than now: across_nodes.py's calls at one
+-- moment keep one end to it, whenever each is run.
+local from = math.max(now, not_before)
+if tat == nil or tat < from + busy_for then
+  tat = from + busy_for
 end
 
 -- From the unrounded time, to the nearest µs: with an interval that is no whole number of µs,
 -- rounding up made the first request of a full bucket wait 1 µs instead of going.
 local wait = math.max(0, math.floor(tat + (cost - burst) * interval - now + 0.5))
+-- Not before not_before, whole µs (as every wait), from which reserve counts.
+local after = math.max(0, math.ceil(not_before - now))
+wait = math.max(wait, after)
 
 -- Each other scope's bucket: the request's moment is the latest of those they allow it too.
 local other_buckets = {}
@@ -261,7 +277,7 @@ for n = 1, others do
     other_interval, other_burst, other_cost =
       live_limit(other_interval, other_burst, other_cost, other_rate, other_live_burst)
   end
-  other_tat = math.max(other_tat or now, now + other_busy_for)
+  other_tat = math.max(other_tat or now, from + other_busy_for)
   other_buckets[n] = {tat = other_tat, interval = other_interval, burst = other_burst,
     cost = other_cost, live = other_live}
   wait = math.max(wait,
@@ -356,7 +372,7 @@ if limits then
   end
 end
 
-if wait > reserve then
+if wait > after + reserve then
   if limits then
     return {0, wait, math.ceil(tat - now), now, 0}
   end
@@ -364,12 +380,13 @@ if wait > reserve then
 end
 
 local moment = now + wait
--- A moment the quotas or another scope put after the bucket's: the bucket counts the request
--- then (it stands idle until then: GCRA's one time keeps no tokens before it for others). Whole
--- µs, rounded up (the polite side): the time the request adds to, and the step it adds, which
--- unreserve.lua takes back out when a reserved request does not go (the other scopes' buckets
--- keep it: they are not given back). Every bucket counts it at the same moment, the latest.
-local base = math.ceil((limits or others > 0) and math.max(tat, moment) or tat)
+-- A moment the quotas, another scope or not_before put after the bucket's: the bucket counts
+-- the request then (it stands idle until then: GCRA's one time keeps no tokens before it for
+-- others). Whole µs, rounded up (the polite side): the time the request adds to, and the step
+-- it adds, which unreserve.lua takes back out when a reserved request does not go (the other
+-- scopes' buckets keep it: they are not given back). Every bucket counts it at the same moment,
+-- the latest.
+local base = math.ceil((limits or others > 0 or after > 0) and math.max(tat, moment) or tat)
 local new_tat = math.ceil(base + cost * interval)
 local step = new_tat - base
 local reset_after = new_tat - now

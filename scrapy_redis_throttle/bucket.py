@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from redis.crc import key_slot
 
+from .across_nodes import AcrossNodes
 from .connection import ClusterClient
 from .rates import Limit, Quota
 from .redis_schema import (
@@ -134,14 +135,17 @@ def script_args(
     reserve: float = 0,
     busy_for: float = 0,
     others: Sequence[tuple[str, Limit, float]] = (),
+    not_before: int = 0,
 ) -> list[bytes]:
-    """ARGV of ``token_bucket.lua``. ``busy_for`` is sent only when it is not 0 (the script's
-    default) or more arguments follow: every argument costs client CPU on every request."""
+    """ARGV of ``token_bucket.lua``. ``busy_for`` and ``not_before`` are sent only when they
+    are not 0 (the script's default) or more arguments follow: every argument costs client CPU
+    on every request."""
     args = _fixed_args(limit, cost, reserve)
-    if busy_for > 0 or limit.quotas or others:
+    if busy_for > 0 or limit.quotas or others or not_before:
         return [
             *args,
             _us(busy_for),
+            b"%d" % not_before,
             *_quota_args(limit.quotas),
             *(part for _, other, busy in others for part in (*_other_args(other), _us(busy))),
         ]
@@ -227,6 +231,7 @@ class TokenBucket:
         self._slow_down_script = lua_script(redis, "slow_down.lua")
         self._voided_script = lua_script(redis, "voided.lua")
         self._unreserve_script = lua_script(redis, "unreserve.lua")
+        self._across = AcrossNodes(self.acquire_in_one_call, self.unreserve)
 
     async def acquire(
         self,
@@ -243,9 +248,27 @@ class TokenBucket:
         allow it (see :mod:`.scopes`): every bucket counts it at the latest moment any allows.
         The bucket counts as empty for at least *busy_for* seconds (tokens the caller took
         while Redis was unavailable). With the adaptive rate, tokens refill at the domain's
-        lowered rate, if it has one."""
+        lowered rate, if it has one. On a Redis Cluster, the buckets of several scopes are on
+        several nodes: see :mod:`.across_nodes`."""
+        if others and isinstance(self._redis, ClusterClient):
+            return await self._across.acquire(domain, limit, cost, reserve, busy_for, others)
+        return await self.acquire_in_one_call(domain, limit, cost, reserve, busy_for, 0, others)
+
+    async def acquire_in_one_call(
+        self,
+        domain: str,
+        limit: Limit,
+        cost: float,
+        reserve: float,
+        busy_for: float,
+        not_before: int,
+        others: Sequence[tuple[str, Limit, float]] = (),
+    ) -> AcquireResult:
+        """One call of ``token_bucket.lua`` (see :meth:`acquire`): *domain*'s bucket and its
+        *others* on one node. Not before *not_before* (µs by Redis's clock; 0: now), from which
+        *reserve* counts; a *reserve* below 0 takes nothing (a peek)."""
         key = bucket_key(self._key_prefix, domain)
-        args = script_args(limit, cost, reserve, busy_for, others)
+        args = script_args(limit, cost, reserve, busy_for, others, not_before)
         with_quotas = bool(limit.quotas) or domain in self._live_quotas
         if with_quotas or others:
             keys = [key, key + RATE_SUFFIX, key + QUOTA_SUFFIX, key + LOG_SUFFIX]
@@ -263,7 +286,9 @@ class TokenBucket:
             if len(self._live_quotas) >= LIVE_QUOTAS_KEPT:
                 self._live_quotas.clear()  # bounded: a domain forgotten costs one call more
             self._live_quotas.add(domain)
-            return await self.acquire(domain, limit, cost, reserve, busy_for, others)
+            return await self.acquire_in_one_call(
+                domain, limit, cost, reserve, busy_for, not_before, others
+            )
         return parse_reply(reply, limit, clock.decided_at(sent, read, reply[3]))
 
     def clock(self, domain: str) -> ServerClock:

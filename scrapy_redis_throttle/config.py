@@ -257,12 +257,6 @@ class ThrottleConfig:
             else (f"spider attribute {SCOPE_ATTRIBUTE}", spider_scope)
         )
         scopes = parse_scopes(value, source=source)
-        if len(scopes) > 1 and cluster is not None:
-            # One call decides for all of a request's budgets: their keys must be on one node.
-            raise ThrottleConfigError(
-                f"{source}: several scopes need one Redis (or Sentinel), not a Redis Cluster, "
-                f"got {', '.join(map(str, scopes))}"
-            )
         return cls(
             on_redis_error=on_redis_error,
             fallback_workers=_fallback_workers(settings),

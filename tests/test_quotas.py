@@ -263,7 +263,7 @@ def test_the_script_checks_each_limit(redis_server: RedisServer) -> None:
     keys = [KEY, KEY + ":rate", KEY + QUOTA_SUFFIX, KEY + LOG_SUFFIX]
     with redis.Redis.from_url(redis_server.url) as client:
         script = client.register_script(load_script("token_bucket.lua"))
-        base = ["100000", "5", "1", "0", "0"]
+        base = ["100000", "5", "1", "0", "0", "0"]  # ... reserve, busy_for, not_before
         for extra, message in [
             (["x", "5", "1000000"], "limit 1 must be t, f or s"),
             (["s", "0", "1000000"], "limit 1 must be t, f or s"),
@@ -278,7 +278,7 @@ def test_the_script_checks_each_limit(redis_server: RedisServer) -> None:
             with pytest.raises(redis.ResponseError, match=message):
                 script(keys=keys, args=base + extra)
         with pytest.raises(redis.ResponseError, match="cost 3 exceeds limit 2's count 2"):
-            script(keys=keys, args=["100000", "5", "3", "0", "0", "t", "5", "1", "s", "2", "1e6"])
+            script(keys=keys, args=[*base[:2], "3", *base[3:], "t", "5", "1", "s", "2", "1e6"])
         assert client.keys("*") == [], "nothing written"
 
 

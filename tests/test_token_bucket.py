@@ -164,10 +164,81 @@ def test_reservations_line_up_within_the_horizon(bucket: Bucket) -> None:
     assert 0 < bucket.client.pttl(KEY) <= 400
 
 
-@pytest.mark.parametrize("ahead", ["-1", "nan", "abc"])
+@pytest.mark.parametrize("ahead", ["-inf", "nan", "abc"])
 def test_invalid_reservation_horizon(bucket: Bucket, ahead: str) -> None:
-    with pytest.raises(redis.ResponseError, match="reserve must be a finite number >= 0"):
+    with pytest.raises(redis.ResponseError, match="reserve must be a finite number > -inf"):
         bucket.call_raw("1000", "1", "1", ahead)
+
+
+def test_a_peek_takes_nothing_and_says_when(bucket: Bucket) -> None:
+    """A reserve below 0 (across_nodes.py's peek): refused, nothing taken, with the wait the
+    request would have."""
+    limit = Limit(10, 1, "test")
+    assert bucket.script(keys=[KEY], args=script_args(limit, 1, -1))[:2] == [0, 0]
+    assert bucket.client.get(KEY) is None, "a full bucket stays full"
+    assert bucket.script(keys=[KEY], args=script_args(limit, 1))[0] == 1
+    taken = bucket.client.get(KEY)
+    status, retry_us, *_ = bucket.script(keys=[KEY], args=script_args(limit, 1, -1))
+    assert status == 0
+    assert 0 < retry_us <= 100_000
+    assert bucket.client.get(KEY) == taken
+
+
+def test_not_before_moves_the_moment_and_the_reserve_counts_from_it(bucket: Bucket) -> None:
+    """across_nodes.py's reservation at a moment: the bucket counts the request at not_before
+    (not at its own earlier moment), reserve counting from there; a bucket that cannot take it
+    then takes nothing and says when it could."""
+    limit = Limit(10, 2, "test")
+    moment = redis_now_us(bucket.client) + 500_000
+    status, retry_us, reset_us, now_us, step = bucket.script(
+        keys=[KEY], args=script_args(limit, 1, 0, not_before=moment)
+    )
+    assert (status, now_us + retry_us) == (2, moment), "reserved at not_before exactly"
+    assert (now_us + reset_us, step) == (moment + 100_000, 100_000), "counted then"
+    # The bucket holds one token at that moment (it was full, burst 2): another request may
+    # share it, and a third may not.
+    status, retry_us, _, now_us, _ = bucket.script(
+        keys=[KEY], args=script_args(limit, 1, 0, not_before=moment)
+    )
+    assert (status, now_us + retry_us) == (2, moment)
+    taken = bucket.client.get(KEY)
+    status, retry_us, _, now_us = bucket.script(
+        keys=[KEY], args=script_args(limit, 1, 0, not_before=moment)
+    )
+    assert (status, now_us + retry_us) == (0, moment + 100_000), "refused: when it could go"
+    assert bucket.client.get(KEY) == taken, "nothing taken"
+    status, retry_us, _, now_us, _ = bucket.script(
+        keys=[KEY], args=script_args(limit, 1, 0.1, not_before=moment)
+    )
+    assert (status, now_us + retry_us) == (2, moment + 100_000), "within reserve of not_before"
+    # A moment past (or 0) is none: the bucket's own.
+    status, retry_us, _, now_us = bucket.script(
+        keys=[KEY], args=script_args(limit, 1, 0, not_before=1)
+    )
+    assert (status, now_us + retry_us) == (0, moment + 200_000)
+
+
+def test_busy_for_counts_from_not_before(bucket: Bucket) -> None:
+    """across_nodes.py peeks with busy_for counted from now, then reserves with what is left of
+    it counted from not_before: one end, whenever each call runs."""
+    limit = Limit(10, 1, "test")
+    moment = redis_now_us(bucket.client) + 500_000
+    status, retry_us, _, now_us = bucket.script(
+        keys=[KEY], args=script_args(limit, 1, 0, busy_for=1.0, not_before=moment)
+    )
+    assert (status, now_us + retry_us) == (0, moment + 1_000_000), "busy until a second after"
+    status, retry_us, reset_us, now_us, _ = bucket.script(
+        keys=[KEY], args=script_args(limit, 1, 2, busy_for=1.0, not_before=moment)
+    )
+    assert (status, now_us + retry_us) == (2, moment + 1_000_000)
+    assert now_us + reset_us == moment + 1_100_000
+
+
+@pytest.mark.parametrize("not_before", ["-1", "nan", "inf", "x", "1e20"])
+def test_invalid_not_before(bucket: Bucket, not_before: str) -> None:
+    with pytest.raises(redis.ResponseError, match="not_before must be"):
+        bucket.call_raw("1000", "1", "1", "0", "0", not_before)
+    assert bucket.client.get(KEY) is None
 
 
 def test_busy_for_counts_tokens_taken_elsewhere(bucket: Bucket) -> None:

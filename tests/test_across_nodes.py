@@ -1,0 +1,235 @@
+"""Several scopes on a Redis Cluster (#23): a request's buckets are on different primaries of a
+real cluster of 3, and scrapy_redis_throttle/across_nodes.py decides for them all: each bucket
+counts the request at the same moment or not at all, a moment another worker took meanwhile is
+tried again and what was reserved given back, a pause anywhere pauses the request.
+
+The moments are read back from the buckets in Redis (all nodes run on this machine's clock:
+moments the nodes agree on are equal, to within how well the worker knows their clocks)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from redis_topologies import UNUSED_URL, LocalCluster
+from scrapy.settings import Settings
+from support import async_test, redis_now_us
+
+from scrapy_redis_throttle.across_nodes import PEEK, AcrossNodes
+from scrapy_redis_throttle.bucket import AcquireResult, TokenBucket
+from scrapy_redis_throttle.config import ThrottleConfig
+from scrapy_redis_throttle.connection import close, connect
+from scrapy_redis_throttle.control import LiveControl
+from scrapy_redis_throttle.rates import Limit
+from scrapy_redis_throttle.redis_schema import bucket_key
+
+PREFIX = "redis_throttle"
+# How far apart two buckets' records of one moment may be: how well a worker knows its nodes'
+# clocks (the fastest round trip of a TIME call), with room for a loaded machine. A bucket that
+# counted the request when it asked, not at its moment, would be a second or more off.
+AGREED_US = 20_000
+
+
+def two_primaries(cluster: LocalCluster) -> tuple[str, str]:
+    """A site and a proxy whose buckets are on different primaries."""
+    owners: dict[int, str] = {}
+    for n in range(100):
+        name = f"shop-{n}.example"
+        owners.setdefault(cluster.owner(cluster.slot(bucket_key(PREFIX, name))).port, name)
+    assert len(owners) == 3, owners
+    site, proxy, _ = owners.values()
+    return site, proxy
+
+
+@asynccontextmanager
+async def cluster_bucket(cluster: LocalCluster) -> AsyncIterator[TokenBucket]:
+    """A worker's view of the shared buckets in *cluster*, as the middleware has it."""
+    client = connect(
+        ThrottleConfig.from_settings(Settings({"REDIS_URL": UNUSED_URL, **cluster.settings()}))
+    )
+    bucket = TokenBucket(client, PREFIX)
+    try:
+        await bucket.read_time()
+        yield bucket
+    finally:
+        await bucket.aclose()
+        await close(client)
+
+
+def bucket_time(cluster: LocalCluster, name: str) -> int | None:
+    """*name*'s bucket's time (µs by Redis's clock; None: full)."""
+    with cluster.client() as client:
+        value = client.get(bucket_key(PREFIX, name))
+    return None if value is None else int(value.split()[0])
+
+
+def cluster_now_us(cluster: LocalCluster) -> int:
+    """The nodes' clock (this machine's) as the scripts count it."""
+    with cluster.running()[0].client() as client:
+        return redis_now_us(client)
+
+
+Call = tuple[str, float, int]
+"""A bucket's call of token_bucket.lua: its name, reserve (seconds) and not_before."""
+
+
+def counting(
+    bucket: TokenBucket, calls: list[Call], before: Callable[[Call], Awaitable[None]] | None = None
+) -> AcrossNodes:
+    """Decisions across *bucket*'s nodes, each call of the script recorded in *calls* (and
+    preceded by *before*)."""
+
+    async def acquire_one(
+        name: str, limit: Limit, cost: float, reserve: float, busy: float, not_before: int
+    ) -> AcquireResult:
+        call = (name, reserve, not_before)
+        calls.append(call)
+        if before is not None:
+            await before(call)
+        return await bucket.acquire_in_one_call(name, limit, cost, reserve, busy, not_before)
+
+    return AcrossNodes(acquire_one, bucket.unreserve)
+
+
+@async_test
+async def test_every_bucket_counts_a_request_at_one_moment_or_none(
+    redis_cluster: LocalCluster,
+) -> None:
+    site, proxy = two_primaries(redis_cluster)
+    # The site's bucket holds two requests (one every 5 s), the proxy's one (every 10 s).
+    site_limit = Limit(rate=0.2, burst=2, text="1 every 5 s, burst 2")
+    proxy_limit = Limit(rate=0.1, burst=1, text="1 every 10 s")
+    others = [(proxy, proxy_limit, 0.0)]
+    async with cluster_bucket(redis_cluster) as bucket:
+        first = await bucket.acquire(site, site_limit, others=others)
+        assert first.allowed
+        site_after_first = bucket_time(redis_cluster, site)
+        # The proxy's bucket is empty for 10 s: refused, though the site's has a token.
+        second = await bucket.acquire(site, site_limit, others=others)
+        assert not second.allowed
+        assert not second.reserved
+        assert 9 < second.retry_after <= 10, second
+        assert bucket_time(redis_cluster, site) == site_after_first, "nothing taken"
+        # Allowed to reserve: at the proxy's moment, which the site's bucket counts too.
+        third = await bucket.acquire(site, site_limit, reserve=15, others=others)
+        assert third.reserved
+        assert third.moment_us is not None
+        proxy_moment = bucket_time(redis_cluster, proxy)
+        site_moment = bucket_time(redis_cluster, site)
+        assert proxy_moment is not None
+        assert site_moment is not None
+        proxy_moment, site_moment = proxy_moment - 10_000_000, site_moment - 5_000_000
+        assert abs(site_moment - proxy_moment) <= AGREED_US, (site_moment, proxy_moment)
+        assert site_moment == third.moment_us, "the request goes when the site's bucket says"
+        assert 9e6 < site_moment - cluster_now_us(redis_cluster) <= 10e6
+
+
+@async_test
+async def test_a_moment_taken_meanwhile_is_tried_again_and_the_reserved_given_back(
+    redis_cluster: LocalCluster,
+) -> None:
+    """Between the request's peek and its reservations, another worker takes the proxy's next
+    three seconds: the site's bucket, which had reserved the request's first moment, gets it
+    back, and both count the request at the proxy's next moment."""
+    site, proxy = two_primaries(redis_cluster)
+    site_limit = Limit(rate=0.5, burst=1, text="1 every 2 s")
+    proxy_limit = Limit(rate=1, burst=1, text="1/s")
+    calls: list[Call] = []
+    async with cluster_bucket(redis_cluster) as bucket, cluster_bucket(redis_cluster) as other:
+
+        async def race(call: Call) -> None:
+            if call[0] == proxy and call[1] == 0 and not raced:
+                raced.append(call)
+                taken = [await other.acquire(proxy, proxy_limit, reserve=10) for _ in range(3)]
+                assert all(result.allowed or result.reserved for result in taken)
+
+        raced: list[Call] = []
+        across = counting(bucket, calls, race)
+        assert (await bucket.acquire(site, site_limit)).allowed  # the site's next moment: +2 s
+        result = await across.acquire(site, site_limit, 1, 10, 0, [(proxy, proxy_limit, 0)])
+        now = cluster_now_us(redis_cluster)
+    assert raced, "the other worker took the proxy's moments in between"
+    assert result.reserved
+    assert result.moment_us is not None
+    assert 2.5e6 < result.moment_us - now <= 3e6, "the proxy's next moment, 3 s from the race"
+    site_time, proxy_time = bucket_time(redis_cluster, site), bucket_time(redis_cluster, proxy)
+    assert site_time is not None
+    assert proxy_time is not None
+    assert site_time - 2_000_000 == result.moment_us, "the site's first moment was given back"
+    assert abs(proxy_time - 1_000_000 - result.moment_us) <= AGREED_US
+    names = [(name, reserve) for name, reserve, _ in calls]
+    assert names == [
+        (site, PEEK),
+        (proxy, PEEK),
+        (site, 0),  # its moment, +2 s, is the latest
+        (proxy, 0),  # refused: taken meanwhile (the site's given back)
+        (proxy, 0),  # its moment, now the latest
+        (site, 0),
+    ], calls
+
+
+@async_test
+async def test_tokens_taken_during_an_outage_keep_one_end_in_every_call(
+    redis_cluster: LocalCluster,
+) -> None:
+    """Back from its local fallback, a worker says how long its local tokens keep each bucket
+    busy (busy_for, from when it asks): the peek and the reservation count to the same end, so
+    that the request is reserved at once, at that end (busy_for counted again from each call
+    would move the moment later each time, and every round would be refused)."""
+    site, proxy = two_primaries(redis_cluster)
+    limit = Limit(rate=10, burst=1, text="10/s")
+    calls: list[Call] = []
+    async with cluster_bucket(redis_cluster) as bucket:
+        asked = cluster_now_us(redis_cluster)
+        result = await counting(bucket, calls).acquire(
+            site, limit, 1, 10, 2.0, [(proxy, limit, 0.5)]
+        )
+        answered = cluster_now_us(redis_cluster)
+    assert result.reserved
+    assert result.moment_us is not None
+    assert asked + 2e6 <= result.moment_us <= answered + 2e6, "the site's local tokens end"
+    assert len(calls) == 4, calls
+    assert bucket_time(redis_cluster, site) == result.moment_us + 100_000
+
+
+@async_test
+async def test_a_pause_of_any_bucket_pauses_the_request_and_takes_nothing(
+    redis_cluster: LocalCluster,
+) -> None:
+    site, proxy = two_primaries(redis_cluster)
+    limit = Limit(rate=10, burst=1, text="10/s")
+    with redis_cluster.client() as client:
+        LiveControl(client, PREFIX).pause(proxy)
+    async with cluster_bucket(redis_cluster) as bucket:
+        result = await bucket.acquire(site, limit, reserve=5, others=[(proxy, limit, 0)])
+    assert result.paused
+    assert not result.allowed
+    assert bucket_time(redis_cluster, site) is None, "nothing taken"
+
+
+@async_test
+async def test_the_requests_of_one_worker_take_turns(redis_cluster: LocalCluster) -> None:
+    """Twenty requests of one worker ask at once: each one peeks once and reserves once in
+    each bucket (asking together, they would peek the same moment and all but one be refused,
+    again and again), and they go one proxy interval apart."""
+    site, proxy = two_primaries(redis_cluster)
+    site_limit = Limit(rate=100, burst=1, text="100/s")
+    proxy_limit = Limit(rate=20, burst=1, text="20/s")
+    calls: list[Call] = []
+    async with cluster_bucket(redis_cluster) as bucket:
+        across = counting(bucket, calls)
+        results = await asyncio.gather(
+            *(
+                across.acquire(site, site_limit, 1, 5, 0, [(proxy, proxy_limit, 0)])
+                for _ in range(20)
+            )
+        )
+        left = len(across.turns)
+    assert all(result.allowed or result.reserved for result in results)
+    moments = sorted(result.moment_us or 0 for result in results)
+    gaps = [later - earlier for earlier, later in itertools.pairwise(moments)]
+    assert min(gaps) >= 50_000 - AGREED_US, gaps
+    assert len(calls) == 20 * 4, calls
+    assert left == 0, "the locks are forgotten"
