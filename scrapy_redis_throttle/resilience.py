@@ -294,9 +294,9 @@ class ResilientBucket:
         # _handover_wait).
         self._handover_until = 0.0
         self._handover = LocalBuckets()
-        # The domain of the last call that failed: on a Redis Cluster, the probe tries its primary
-        # (another one may answer while it is down).
-        self._failed_domain: str | None = None
+        # The domain of the last call that failed (and its other scopes' budgets): on a Redis
+        # Cluster, the probe tries their primaries (another one may answer while one is down).
+        self._failed_domains: tuple[str | None, ...] = (None,)
         self.seals = Seals()
 
     async def check(self) -> None:
@@ -392,6 +392,7 @@ class ResilientBucket:
                 busy_for=self.local.busy_for(domain),
                 others=[(name, each, self.local.busy_for(name)) for name, each in others],
             ),
+            also=[name for name, _ in others],
         )
         if result is None:
             return None
@@ -479,10 +480,13 @@ class ResilientBucket:
         except ScriptRefused:
             return None
 
-    async def _guarded(self, domain: str, call: Awaitable[_T]) -> _T | None:
-        """Await a script *call* for *domain*, counted; None when it failed (the breaker hears
-        of both, and the probe then tries where *domain* lives); ScriptRefused when the script
-        refused it (Redis answered: a success to the breaker)."""
+    async def _guarded(
+        self, domain: str, call: Awaitable[_T], also: Sequence[str] = ()
+    ) -> _T | None:
+        """Await a script *call* for *domain* (and the budgets *also*), counted; None when it
+        failed (the breaker hears of both, and the probe then tries where *domain* and *also*
+        live); ScriptRefused when the script refused it (Redis answered: a success to the
+        breaker)."""
         self._stats.inc_value(f"{STATS_PREFIX}/redis_calls")
         try:
             result = await call
@@ -496,7 +500,7 @@ class ResilientBucket:
                     "this request is paced by this worker alone",
                 )
                 raise ScriptRefused(str(exc)) from None
-            self._failed_domain = domain
+            self._failed_domains = (domain, *also)
             self._failed(exc)
             return None
         self._succeeded()
@@ -526,7 +530,8 @@ class ResilientBucket:
                 break
             self._stats.inc_value(f"{STATS_PREFIX}/redis_calls")
             try:
-                await self._bucket.probe(self._failed_domain)
+                for name in self._failed_domains:
+                    await self._bucket.probe(name)
             except RedisError as exc:
                 self._stats.inc_value(f"{STATS_PREFIX}/redis_errors/{type(exc).__name__}")
                 continue

@@ -32,10 +32,12 @@ from scrapy_redis_throttle.waiting import MOMENT_SLACK
 if TYPE_CHECKING:
     import redis
     from local_redis import RedisServer
+    from redis_topologies import LocalCluster
     from scrapy import Spider
     from scrapy.crawler import Crawler
 
 
+WORKER_USER = "throttle-worker"
 SECURITY_DOCS = Path(__file__).resolve().parent.parent / "docs" / "operations" / "security.rst"
 
 
@@ -76,6 +78,15 @@ def documented_cluster_rights() -> list[str]:
     )
     assert match, f"{SECURITY_DOCS} documents no rights for a Redis Cluster"
     return match[1].split()
+
+
+def add_worker_user(cluster: LocalCluster, dropped: str | None = None) -> str:
+    """The documented worker user, with its rights on a cluster but *dropped*, on every node; the
+    throttle's URL for it."""
+    rights = [right for right in documented_cluster_rights() if right != dropped]
+    for node in cluster.nodes:
+        node.add_user(WORKER_USER, "worker-secret", *documented_acl_rules(), *rights)
+    return f"redis://{WORKER_USER}:worker-secret@127.0.0.1:1/0"
 
 
 def redis_now_us(client: redis.Redis) -> int:

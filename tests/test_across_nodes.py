@@ -13,17 +13,21 @@ import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
+from local_redis import RedisServer
 from redis_topologies import UNUSED_URL, LocalCluster
 from scrapy.settings import Settings
-from support import async_test, redis_now_us
+from scrapy.statscollectors import MemoryStatsCollector
+from scrapy.utils.test import get_crawler
+from support import WORKER_USER, add_worker_user, async_test, redis_now_us, wait_until_async
 
 from scrapy_redis_throttle.across_nodes import PEEK, AcrossNodes
 from scrapy_redis_throttle.bucket import AcquireResult, TokenBucket
 from scrapy_redis_throttle.config import ThrottleConfig
 from scrapy_redis_throttle.connection import close, connect
 from scrapy_redis_throttle.control import LiveControl
-from scrapy_redis_throttle.rates import Limit
+from scrapy_redis_throttle.rates import FIXED_WINDOW, Limit, parse_limit
 from scrapy_redis_throttle.redis_schema import bucket_key
+from scrapy_redis_throttle.resilience import ResilientBucket
 
 PREFIX = "redis_throttle"
 # How far apart two buckets' records of one moment may be: how well a worker knows its nodes'
@@ -210,6 +214,30 @@ async def test_a_pause_of_any_bucket_pauses_the_request_and_takes_nothing(
 
 
 @async_test
+async def test_a_live_quota_on_another_budget_counts_on_a_cluster(
+    redis_cluster: LocalCluster,
+) -> None:
+    """Another budget's bucket is asked as a domain's is: a limit set live with quotas on its
+    name applies them (on one Redis, in one call, only its rate and burst count: see the
+    docs' limitations)."""
+    site, proxy = two_primaries(redis_cluster)
+    fast = Limit(rate=100, burst=10, text="100/s")
+    quotas = parse_limit(
+        [{"rate": "1/h", "algorithm": FIXED_WINDOW}], default_burst=1, source="test"
+    )
+    assert quotas is not None
+    with redis_cluster.client() as client:
+        LiveControl(client, PREFIX).set(proxy, 100, 10, quotas.quotas)
+    async with cluster_bucket(redis_cluster) as bucket:
+        first = await bucket.acquire(site, fast, others=[(proxy, fast, 0)])
+        second = await bucket.acquire(site, fast, others=[(proxy, fast, 0)])
+    assert first.allowed
+    assert not second.allowed
+    assert not second.reserved
+    assert second.retry_after > 1, "the proxy's quota: one request per hour's window"
+
+
+@async_test
 async def test_the_requests_of_one_worker_take_turns(redis_cluster: LocalCluster) -> None:
     """Twenty requests of one worker ask at once: each one peeks once and reserves once in
     each bucket (asking together, they would peek the same moment and all but one be refused,
@@ -233,3 +261,47 @@ async def test_the_requests_of_one_worker_take_turns(redis_cluster: LocalCluster
     assert min(gaps) >= 50_000 - AGREED_US, gaps
     assert len(calls) == 20 * 4, calls
     assert left == 0, "the locks are forgotten"
+
+
+def refused_calls(node: RedisServer) -> int:
+    """Commands *node* refused for want of rights."""
+    with node.client() as client:
+        return int(client.info("errorstats").get("errorstat_NOPERM", {}).get("count", 0))
+
+
+@async_test
+async def test_the_breaker_s_probe_asks_every_budget_s_primary(redis_cluster: LocalCluster) -> None:
+    """A request's call failed on its proxy's primary (which refuses the worker's scripts here):
+    the breaker's probe asks that primary too, not only the site's, which answers (closing the
+    breaker on the site's answer alone would switch back and forth); once the proxy's primary
+    answers, the breaker closes."""
+    site, proxy = two_primaries(redis_cluster)
+    proxy_primary = redis_cluster.owner(redis_cluster.slot(bucket_key(PREFIX, proxy)))
+    settings = {
+        "REDIS_URL": add_worker_user(redis_cluster),
+        "REDIS_THROTTLE_FALLBACK_WORKERS": 1,
+        "REDIS_THROTTLE_PROBE_INTERVAL": 0.1,
+        **redis_cluster.settings(),
+    }
+    config = ThrottleConfig.from_settings(Settings(settings))
+    client = connect(config)
+    budget = ResilientBucket(client, config, MemoryStatsCollector(get_crawler()), dict)
+    limit = Limit(rate=10, burst=1, text="10/s")
+    try:
+        await budget.check()
+        assert budget.breaker.open_for() is None
+        with proxy_primary.client() as admin:
+            admin.execute_command("ACL", "SETUSER", WORKER_USER, "-evalsha", "-eval")
+        refused = refused_calls(proxy_primary)
+        grant = await budget.acquire(site, limit, 1, [(proxy, limit)])
+        assert not grant.shared, "paced by this worker alone"
+        await wait_until_async(
+            lambda: refused_calls(proxy_primary) >= refused + 3, "two probes at the proxy's"
+        )
+        assert budget.breaker.open_for() is not None, "still open: the proxy's primary refuses"
+        with proxy_primary.client() as admin:
+            admin.execute_command("ACL", "SETUSER", WORKER_USER, "+evalsha", "+eval")
+        await wait_until_async(lambda: budget.breaker.open_for() is None, "the breaker closed")
+    finally:
+        await budget.aclose()
+        await close(client)

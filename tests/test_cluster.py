@@ -18,11 +18,11 @@ from local_redis import RedisServer, free_port
 from redis_topologies import UNUSED_URL, LocalCluster
 from scrapy.settings import Settings
 from support import (
+    add_worker_user,
     assert_released_paced,
     async_test,
     crawl_settings,
     crawl_through_failover,
-    documented_acl_rules,
     documented_cluster_rights,
     finish_crawl_workers,
     one_domain_jobs,
@@ -409,15 +409,6 @@ def test_a_fleet_goes_on_while_a_slot_moves(
         f"slot moved: ASK {errors(source, 'ASK')}, MOVED {errors(source, 'MOVED')}, "
         f"TRYAGAIN {errors(source, 'TRYAGAIN') + errors(target, 'TRYAGAIN')}"
     )
-
-
-def add_worker_user(cluster: LocalCluster, dropped: str | None = None) -> str:
-    """The documented worker user, with its rights on a cluster but *dropped*, on every node; the
-    throttle's URL for it."""
-    rights = [right for right in documented_cluster_rights() if right != dropped]
-    for node in cluster.nodes:
-        node.add_user("throttle-worker", "worker-secret", *documented_acl_rules(), *rights)
-    return "redis://throttle-worker:worker-secret@127.0.0.1:1/0"
 
 
 @pytest.mark.parametrize(

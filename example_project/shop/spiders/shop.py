@@ -20,9 +20,9 @@ class ShopSpider(RedisSpider):  # type: ignore[misc]
     # What a budget is kept per: each host (the demo site's hosts are addresses). A site whose
     # hosts share one limit (www.shop.com, img.shop.com) takes "registrable_domain": one budget
     # for all of shop.com, as "shop.com" or "*.shop.com" below (docs: usage/rates, Scopes).
-    # Several scopes at once (one Redis or Sentinel; not on a Redis Cluster, which this project
-    # also runs on): ["host", "proxy"] adds a budget per proxy (meta["proxy"]'s host:port, e.g.
-    # "proxy.example:8080": "10/s" below), which must allow each request through it too.
+    # Several scopes at once: ["host", "proxy"] adds a budget per proxy (meta["proxy"]'s
+    # host:port, e.g. "proxy.example:8080": "10/s" below), which must allow each request through
+    # it too (in one call to one Redis; on a Redis Cluster, two calls per budget).
     redis_throttle_scope = "host"
     # One budget per domain for the whole fleet, however many workers run this spider.
     redis_throttle_rates: ClassVar[dict[str, Any]] = {
