@@ -18,7 +18,10 @@
 -- ARGV[6]  not_before (optional, default 0): µs since the epoch by Redis's clock; the request's
 --          moment is not before it (the moment its other scopes' buckets gave it, on other nodes
 --          of a Redis Cluster: see across_nodes.py)
--- ARGV[7..] (optional) more limits of the domain (at most MAX_LIMITS), checked with the bucket
+-- ARGV[7]  alone (optional, default "0"): "1" when KEYS[1] is another scope's bucket, asked on its
+--          own (on a Redis Cluster: across_nodes.py): it is read as KEYS[5..] are in one call (a
+--          key of another type is none, and replaced; a live limit's more limits do not count)
+-- ARGV[8..] (optional) more limits of the domain (at most MAX_LIMITS), checked with the bucket
 --          in this call, three arguments each: the algorithm ("t" token bucket, "f" fixed window,
 --          "s" sliding window), its count (the bucket's burst, or the requests per window, an
 --          integer, at most MAX_SLIDING_COUNT for a sliding window) and its period in
@@ -127,7 +130,7 @@ end
 local huge = math.huge
 local interval, burst, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local reserve, busy_for = tonumber(ARGV[4] or "0"), tonumber(ARGV[5] or "0")
-local not_before = tonumber(ARGV[6] or "0")
+local not_before, alone = tonumber(ARGV[6] or "0"), ARGV[7] or "0"
 if not (interval and burst and cost and reserve and busy_for and not_before
     and interval > 0 and interval <= MAX_INTERVAL and burst >= 1 and burst < huge
     and cost > 0 and cost < huge and reserve > -huge and reserve < huge
@@ -159,14 +162,17 @@ end
 -- follows it in the same value, "<tat> <rate|-> <burst|-> <paused 0|1>[ <more limits>]", so
 -- that reading it costs no call, and it overrides ARGV's ("-": ARGV's). A rate set live comes
 -- with the domain's more limits ("t5/2e5,s10/2e6": algorithm, count/period), maybe none.
-local tat, live, rate, live_burst, paused, live_limits = bucket_read(KEYS[1], now)
+if alone ~= "0" and alone ~= "1" then
+  return redis.error_reply("ERR redis_throttle: alone must be 0 or 1, got " .. alone)
+end
+local tat, live, rate, live_burst, paused, live_limits = bucket_read(KEYS[1], now, alone == "1")
 if paused == "1" then
   return {3, 0, 0, now}
 end
 if live ~= "" then
   local rate_stands
   interval, burst, cost, rate_stands = live_limit(interval, burst, cost, rate, live_burst)
-  if not rate_stands then
+  if not rate_stands or alone == "1" then
     live_limits = nil
   end
 end
@@ -178,8 +184,8 @@ if others > MAX_SCOPES - 1 then
     .. others)
 end
 local more_end = #ARGV - 3 * others  -- the more limits' last argument
-if others > 0 and (more_end < 6 or (more_end - 6) % 3 ~= 0) then
-  return redis.error_reply("ERR redis_throttle: " .. others .. " other scopes take 6 arguments, "
+if others > 0 and (more_end < 7 or (more_end - 7) % 3 ~= 0) then
+  return redis.error_reply("ERR redis_throttle: " .. others .. " other scopes take 7 arguments, "
     .. "3 per more limit and 3 per other scope, got " .. #ARGV)
 end
 
@@ -206,13 +212,13 @@ if live_limits and live_limits ~= "" then
   if #limits == 0 then
     limits = nil
   end
-elseif not live_limits and more_end >= 7 then
-  if more_end > 6 + 3 * MAX_LIMITS then
+elseif not live_limits and more_end >= 8 then
+  if more_end > 7 + 3 * MAX_LIMITS then
     return redis.error_reply("ERR redis_throttle: at most " .. MAX_LIMITS .. " more limits, got "
-      .. (more_end - 6) / 3)
+      .. (more_end - 7) / 3)
   end
   limits = {}
-  for index = 7, more_end, 3 do
+  for index = 8, more_end, 3 do
     limits[#limits + 1] = {ARGV[index], ARGV[index + 1], ARGV[index + 2]}
   end
 end

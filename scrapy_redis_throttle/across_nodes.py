@@ -16,8 +16,9 @@ same offsets that place a reply's moments (see :class:`.ServerClock`): every buc
 request at the moment it goes, to within the uncertainty of those offsets (about a round trip).
 
 Two calls per bucket instead of one call in all: the cost of the cluster (see the performance
-docs). The requests of one worker that share a bucket take turns (:class:`Turns`): asking at
-once, they would all peek the same moment and all but one be refused, again and again.
+docs). The requests of one worker that share a bucket take turns (:class:`BudgetLocks`):
+asking at once, they would all peek the same moment and all but one be refused, again and
+again.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ import asyncio
 import dataclasses
 import math
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
+
+from redis.exceptions import RedisError
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -34,8 +37,9 @@ if TYPE_CHECKING:
     from .bucket import AcquireResult, Reservation
     from .rates import Limit
 
-    # One bucket's call of token_bucket.lua: name, limit, cost, reserve, busy_for, not_before.
-    AcquireOne = Callable[[str, Limit, float, float, float, int], Awaitable[AcquireResult]]
+    # One bucket's call of token_bucket.lua: name, limit, cost, reserve, busy_for, not_before,
+    # alone.
+    AcquireOne = Callable[[str, Limit, float, float, float, int, bool], Awaitable[AcquireResult]]
     Unreserve = Callable[[str, Sequence[Reservation]], Awaitable[object]]
 
 # The script's reserve for a peek: below 0, it takes nothing and replies when.
@@ -44,7 +48,7 @@ PEEK = -1.0
 ROUNDS = 3
 
 
-class Turns:
+class BudgetLocks:
     """One lock per bucket name, held while a request of this process decides in it; a name's
     lock is forgotten when no request holds or waits for it (bounded by the requests under
     way)."""
@@ -79,14 +83,32 @@ class Turns:
         return len(self._locks)
 
 
+class CallsStopped(Exception):
+    """Redis failed while the request waited for its turn (see :class:`AcrossNodes`): it does
+    not call Redis, the policy decides."""
+
+
+class Budget(NamedTuple):
+    """One of a request's budgets, as :class:`AcrossNodes` asks it."""
+
+    name: str
+    limit: Limit
+    busy_for: float
+    alone: bool
+    """Another scope's: its bucket is read as in one call (see ``lua/token_bucket.lua``)."""
+
+
 class AcrossNodes:
     """Decides for a request under several scopes whose buckets are on several nodes (see the
-    module's docs)."""
+    module's docs). *may_call* says whether Redis may be called (False: it failed meanwhile)."""
 
-    def __init__(self, acquire_one: AcquireOne, unreserve: Unreserve) -> None:
+    def __init__(
+        self, acquire_one: AcquireOne, unreserve: Unreserve, may_call: Callable[[], bool]
+    ) -> None:
         self._acquire_one = acquire_one
         self._unreserve = unreserve
-        self.turns = Turns()
+        self._may_call = may_call
+        self.locks = BudgetLocks()
 
     async def acquire(
         self,
@@ -98,83 +120,115 @@ class AcrossNodes:
         others: Sequence[tuple[str, Limit, float]],
     ) -> AcquireResult:
         """As :meth:`.TokenBucket.acquire`, the result of *domain*'s bucket: the request's
-        moment (or its refusal, or a pause of any of its buckets)."""
+        moment (or its refusal, or a pause of any of its buckets). Raises
+        :class:`CallsStopped` if Redis failed while the request waited for its turn."""
         # Another scope's quotas count only where it is a request's domain, as in one call.
-        buckets = [
-            (domain, limit, busy_for),
-            *((name, dataclasses.replace(each, quotas=()), busy) for name, each, busy in others),
+        budgets = [
+            Budget(domain, limit, busy_for, alone=False),
+            *(
+                Budget(name, dataclasses.replace(each, quotas=()), busy, alone=True)
+                for name, each, busy in others
+            ),
         ]
-        async with self.turns.of(name for name, _, _ in buckets):
-            return await self._decide(buckets, cost, reserve)
+        async with self.locks.of(budget.name for budget in budgets):
+            # The requests that waited for a call that failed do not call the node again, each
+            # in turn, for as long as a call takes to fail.
+            if not self._may_call():
+                raise CallsStopped
+            taken: list[tuple[str, AcquireResult]] = []
+            try:
+                return await self._decide(budgets, cost, reserve, taken)
+            except BaseException:
+                # Failed or cancelled half-way: what it reserved is given back (a call under
+                # way may have taken its tokens unseen: spent, the polite side).
+                await asyncio.shield(self._give_back(taken))
+                raise
 
     async def _decide(
-        self, buckets: list[tuple[str, Limit, float]], cost: float, reserve: float
+        self,
+        budgets: list[Budget],
+        cost: float,
+        reserve: float,
+        taken: list[tuple[str, AcquireResult]],
     ) -> AcquireResult:
+        """The rounds (see the module's docs); *taken* holds the reservations made and not
+        given back yet, until the request's moment is decided."""
         loop = asyncio.get_running_loop()
         peeks = await asyncio.gather(
-            *(self._acquire_one(name, each, cost, PEEK, busy, 0) for name, each, busy in buckets)
+            *(self._call(budget, cost, PEEK, 0, budget.busy_for) for budget in budgets)
         )
         paused = [result for result in peeks if result.paused]
         if paused:
             return paused[0]
         # When each bucket's busy_for ends, by its node's clock: the same end for every call.
         busy_until = [
-            _server_us(peek) - peek.retry_after * 1e6 + busy * 1e6
-            for (_, _, busy), peek in zip(buckets, peeks, strict=True)
+            _server_us(peek) - peek.retry_after * 1e6 + budget.busy_for * 1e6
+            for budget, peek in zip(budgets, peeks, strict=True)
         ]
         results = list(peeks)
+
+        async def at(n: int, moment: float) -> None:
+            results[n] = await self._at(budgets[n], cost, moment, results[n], busy_until[n])
+            if _taken(results[n]):
+                taken.append((budgets[n].name, results[n]))
+
         for _ in range(ROUNDS):
             moments = [_moment(result) for result in results]
             moment = max(moments)
             if moment - loop.time() > reserve:
                 break
             first = moments.index(moment)
-            results[first] = await self._at(
-                buckets[first], cost, moment, results[first], busy_until[first]
-            )
-            if _taken(results[first]):
-                rest = [n for n in range(len(buckets)) if n != first]
-                replies = await asyncio.gather(
-                    *(self._at(buckets[n], cost, moment, results[n], busy_until[n]) for n in rest)
+            await at(first, moment)
+            if taken:
+                outcomes = await asyncio.gather(
+                    *(at(n, moment) for n in range(len(budgets)) if n != first),
+                    return_exceptions=True,  # every reservation made is known before a raise
                 )
-                for n, reply in zip(rest, replies, strict=True):
-                    results[n] = reply
-                if all(_taken(result) for result in results):
+                for outcome in outcomes:
+                    if isinstance(outcome, BaseException):
+                        raise outcome
+                if len(taken) == len(budgets):
+                    taken.clear()  # decided
                     return results[0]
-                await self._give_back(buckets, results)
+                await self._give_back(taken)
+                taken.clear()
             paused = [result for result in results if result.paused]
             if paused:
                 return paused[0]
         return _refused(results[0], max(_moment(result) for result in results))
 
     async def _at(
-        self,
-        bucket: tuple[str, Limit, float],
-        cost: float,
-        moment: float,
-        last: AcquireResult,
-        busy_until: float,
+        self, budget: Budget, cost: float, moment: float, last: AcquireResult, busy_until: float
     ) -> AcquireResult:
-        """*bucket*'s tokens taken at *moment* (loop time), or nothing: its reply. *last*: its
+        """*budget*'s tokens taken at *moment* (loop time), or nothing: its reply. *last*: its
         last reply, whose offset converts the moment to its node's clock; *busy_until*: when
         its busy_for ends by that clock (the script counts busy_for from not_before)."""
-        name, each, _ = bucket
         not_before = max(0, math.ceil(_server_us(last) + (moment - _moment(last)) * 1e6))
-        busy = max(0.0, busy_until - not_before) / 1e6
-        return await self._acquire_one(name, each, cost, 0.0, busy, not_before)
+        return await self._call(
+            budget, cost, 0.0, not_before, max(0.0, busy_until - not_before) / 1e6
+        )
 
-    async def _give_back(
-        self, buckets: list[tuple[str, Limit, float]], results: list[AcquireResult]
-    ) -> None:
-        """Give back the moments reserved by *results* (taken now ones are spent: they cannot
-        be told from the next request's)."""
-        await asyncio.gather(
+    async def _call(
+        self, budget: Budget, cost: float, reserve: float, not_before: int, busy_for: float
+    ) -> AcquireResult:
+        return await self._acquire_one(
+            budget.name, budget.limit, cost, reserve, busy_for, not_before, budget.alone
+        )
+
+    async def _give_back(self, taken: list[tuple[str, AcquireResult]]) -> None:
+        """Give back the moments *taken* reserved (taken now ones are spent: they cannot be
+        told from the next request's). A failure leaves them spent too."""
+        results = await asyncio.gather(
             *(
                 self._unreserve(name, [result.reservation])
-                for (name, _, _), result in zip(buckets, results, strict=True)
+                for name, result in taken
                 if result.reservation is not None
-            )
+            ),
+            return_exceptions=True,
         )
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, RedisError):
+                raise result
 
 
 def _taken(result: AcquireResult) -> bool:

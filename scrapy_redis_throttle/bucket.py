@@ -32,7 +32,7 @@ from .scripts import lua_script
 from .server_clock import ServerClock
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from redis.asyncio.cluster import ClusterNode
 
@@ -136,16 +136,18 @@ def script_args(
     busy_for: float = 0,
     others: Sequence[tuple[str, Limit, float]] = (),
     not_before: int = 0,
+    alone: bool = False,
 ) -> list[bytes]:
-    """ARGV of ``token_bucket.lua``. ``busy_for`` and ``not_before`` are sent only when they
-    are not 0 (the script's default) or more arguments follow: every argument costs client CPU
-    on every request."""
+    """ARGV of ``token_bucket.lua``. ``busy_for``, ``not_before`` and ``alone`` are sent only
+    when they are not the script's defaults or more arguments follow: every argument costs
+    client CPU on every request."""
     args = _fixed_args(limit, cost, reserve)
-    if busy_for > 0 or limit.quotas or others or not_before:
+    if busy_for > 0 or limit.quotas or others or not_before or alone:
         return [
             *args,
             _us(busy_for),
             b"%d" % not_before,
+            b"1" if alone else b"0",
             *_quota_args(limit.quotas),
             *(part for _, other, busy in others for part in (*_other_args(other), _us(busy))),
         ]
@@ -215,7 +217,15 @@ class SlowDown:
 class TokenBucket:
     """Per-domain token buckets stored in one Redis, shared by every process that uses it."""
 
-    def __init__(self, redis: ThrottleRedis, key_prefix: str, adaptive: bool = False) -> None:
+    def __init__(
+        self,
+        redis: ThrottleRedis,
+        key_prefix: str,
+        adaptive: bool = False,
+        may_call: Callable[[], bool] = lambda: True,
+    ) -> None:
+        """*may_call*: whether Redis may be called now (False: it failed meanwhile; see
+        :class:`.across_nodes.CallsStopped`)."""
         self._redis = redis
         self._key_prefix = key_prefix
         self._adaptive = adaptive
@@ -231,7 +241,7 @@ class TokenBucket:
         self._slow_down_script = lua_script(redis, "slow_down.lua")
         self._voided_script = lua_script(redis, "voided.lua")
         self._unreserve_script = lua_script(redis, "unreserve.lua")
-        self._across = AcrossNodes(self.acquire_in_one_call, self.unreserve)
+        self._across = AcrossNodes(self.acquire_in_one_call, self.unreserve, may_call)
 
     async def acquire(
         self,
@@ -252,7 +262,9 @@ class TokenBucket:
         several nodes: see :mod:`.across_nodes`."""
         if others and isinstance(self._redis, ClusterClient):
             return await self._across.acquire(domain, limit, cost, reserve, busy_for, others)
-        return await self.acquire_in_one_call(domain, limit, cost, reserve, busy_for, 0, others)
+        return await self.acquire_in_one_call(
+            domain, limit, cost, reserve, busy_for, 0, others=others
+        )
 
     async def acquire_in_one_call(
         self,
@@ -262,15 +274,20 @@ class TokenBucket:
         reserve: float,
         busy_for: float,
         not_before: int,
+        alone: bool = False,
         others: Sequence[tuple[str, Limit, float]] = (),
     ) -> AcquireResult:
         """One call of ``token_bucket.lua`` (see :meth:`acquire`): *domain*'s bucket and its
         *others* on one node. Not before *not_before* (µs by Redis's clock; 0: now), from which
-        *reserve* counts; a *reserve* below 0 takes nothing (a peek)."""
+        *reserve* counts; a *reserve* below 0 takes nothing (a peek). *alone*: *domain* is
+        another scope's budget, asked on its own (see :mod:`.across_nodes`): its bucket alone,
+        read as in one call."""
         key = bucket_key(self._key_prefix, domain)
-        args = script_args(limit, cost, reserve, busy_for, others, not_before)
+        args = script_args(limit, cost, reserve, busy_for, others, not_before, alone)
         with_quotas = bool(limit.quotas) or domain in self._live_quotas
-        if with_quotas or others:
+        if alone:
+            keys = [key]
+        elif with_quotas or others:
             keys = [key, key + RATE_SUFFIX, key + QUOTA_SUFFIX, key + LOG_SUFFIX]
             keys += [bucket_key(self._key_prefix, name) for name, _, _ in others]
         else:
@@ -287,7 +304,7 @@ class TokenBucket:
                 self._live_quotas.clear()  # bounded: a domain forgotten costs one call more
             self._live_quotas.add(domain)
             return await self.acquire_in_one_call(
-                domain, limit, cost, reserve, busy_for, not_before, others
+                domain, limit, cost, reserve, busy_for, not_before, alone, others
             )
         return parse_reply(reply, limit, clock.decided_at(sent, read, reply[3]))
 

@@ -38,6 +38,7 @@ from redis.exceptions import RedisError, ResponseError
 from scrapy.utils.defer import maybe_deferred_to_future
 from twisted.internet.task import deferLater
 
+from .across_nodes import CallsStopped
 from .bucket import AcquireResult, TokenBucket
 from .config import FALLBACK_LOCAL, FALLBACK_OPEN, STATS_PREFIX
 from .connection import ping
@@ -279,7 +280,12 @@ class ResilientBucket:
         fleet_size: Callable[[], int | None] = lambda: None,
     ) -> None:
         self._redis = redis
-        self._bucket = TokenBucket(redis, config.key_prefix, adaptive=config.adaptive is not None)
+        self._bucket = TokenBucket(
+            redis,
+            config.key_prefix,
+            adaptive=config.adaptive is not None,
+            may_call=lambda: self.breaker.open_for() is None,
+        )
         self._config = config
         self._stats = stats
         self._log_extra = log_extra
@@ -382,18 +388,21 @@ class ResilientBucket:
         others: Sequence[tuple[str, Limit]],
     ) -> AcquireResult | None:
         openings = self._openings
-        result = await self._guarded(
-            domain,
-            self._bucket.acquire(
+        try:
+            result = await self._guarded(
                 domain,
-                limit,
-                cost,
-                self._config.max_reserve,
-                busy_for=self.local.busy_for(domain),
-                others=[(name, each, self.local.busy_for(name)) for name, each in others],
-            ),
-            also=[name for name, _ in others],
-        )
+                self._bucket.acquire(
+                    domain,
+                    limit,
+                    cost,
+                    self._config.max_reserve,
+                    busy_for=self.local.busy_for(domain),
+                    others=[(name, each, self.local.busy_for(name)) for name, each in others],
+                ),
+                also=[name for name, _ in others],
+            )
+        except CallsStopped:
+            return None
         if result is None:
             return None
         self.local.follow(domain, result, others, cost)

@@ -10,7 +10,8 @@ sets it for one request, by name; the meta key ``redis_throttle_key`` names the 
 
 ``REDIS_THROTTLE_SCOPE`` may list several scopes: the first gives the request's domain, each
 other one a budget of its own that must allow the request too, in the same atomic call (its
-limit looked up by its name, as a domain's; see ``lua/token_bucket.lua``).
+limit looked up by its name, as a domain's; see ``lua/token_bucket.lua``; on a Redis Cluster,
+where the budgets are on several nodes, see :mod:`.across_nodes`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ REGISTRABLE_DOMAIN = "registrable_domain"
 IP = "ip"
 PROXY = "proxy"
 NAMED = (HOST, REGISTRABLE_DOMAIN, IP, PROXY)
-# The most scopes a request is under (lua/token_bucket.lua takes one bucket each, in one call).
+# The most scopes a request is under (lua/token_bucket.lua takes one bucket each, in one call;
+# on a Redis Cluster, across_nodes.py asks each one twice).
 MAX_SCOPES = 4
 
 # The Public Suffix List tldextract ships with itself: no download, no cache files. Its ICANN

@@ -13,6 +13,8 @@ import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
+import pytest
+import redis
 from local_redis import RedisServer
 from redis_topologies import UNUSED_URL, LocalCluster
 from scrapy.settings import Settings
@@ -86,15 +88,21 @@ def counting(
     preceded by *before*)."""
 
     async def acquire_one(
-        name: str, limit: Limit, cost: float, reserve: float, busy: float, not_before: int
+        name: str,
+        limit: Limit,
+        cost: float,
+        reserve: float,
+        busy: float,
+        not_before: int,
+        alone: bool,
     ) -> AcquireResult:
         call = (name, reserve, not_before)
         calls.append(call)
         if before is not None:
             await before(call)
-        return await bucket.acquire_in_one_call(name, limit, cost, reserve, busy, not_before)
+        return await bucket.acquire_in_one_call(name, limit, cost, reserve, busy, not_before, alone)
 
-    return AcrossNodes(acquire_one, bucket.unreserve)
+    return AcrossNodes(acquire_one, bucket.unreserve, lambda: True)
 
 
 @async_test
@@ -214,27 +222,36 @@ async def test_a_pause_of_any_bucket_pauses_the_request_and_takes_nothing(
 
 
 @async_test
-async def test_a_live_quota_on_another_budget_counts_on_a_cluster(
+async def test_another_budget_s_bucket_is_read_as_in_one_call(
     redis_cluster: LocalCluster,
 ) -> None:
-    """Another budget's bucket is asked as a domain's is: a limit set live with quotas on its
-    name applies them (on one Redis, in one call, only its rate and burst count: see the
-    docs' limitations)."""
+    """As on one Redis: a limit set live on another budget's name applies its rate and burst,
+    not its quotas (which count where it is a request's domain), and a key of another type in
+    its bucket (written by hand) counts as an empty bucket and is replaced, instead of failing
+    every request under that budget."""
     site, proxy = two_primaries(redis_cluster)
     fast = Limit(rate=100, burst=10, text="100/s")
-    quotas = parse_limit(
+    hourly = parse_limit(
         [{"rate": "1/h", "algorithm": FIXED_WINDOW}], default_burst=1, source="test"
     )
-    assert quotas is not None
+    assert hourly is not None
     with redis_cluster.client() as client:
-        LiveControl(client, PREFIX).set(proxy, 100, 10, quotas.quotas)
+        LiveControl(client, PREFIX).set(proxy, 0.1, 1, hourly.quotas)
     async with cluster_bucket(redis_cluster) as bucket:
         first = await bucket.acquire(site, fast, others=[(proxy, fast, 0)])
         second = await bucket.acquire(site, fast, others=[(proxy, fast, 0)])
+        with redis_cluster.client() as client:
+            client.delete(bucket_key(PREFIX, proxy))
+            client.hset(bucket_key(PREFIX, proxy), "written", "by hand")
+        slow = Limit(rate=0.1, burst=1, text="1 every 10 s")  # (its bucket lives 10 s)
+        third = await bucket.acquire(site, fast, others=[(proxy, slow, 0)])
+        with redis_cluster.client() as client:
+            replaced = client.type(bucket_key(PREFIX, proxy))
     assert first.allowed
     assert not second.allowed
-    assert not second.reserved
-    assert second.retry_after > 1, "the proxy's quota: one request per hour's window"
+    assert 9 < second.retry_after <= 10, "the live 1 every 10 s, not the hour's quota"
+    assert third.allowed
+    assert replaced == b"string"
 
 
 @async_test
@@ -254,7 +271,7 @@ async def test_the_requests_of_one_worker_take_turns(redis_cluster: LocalCluster
                 for _ in range(20)
             )
         )
-        left = len(across.turns)
+        left = len(across.locks)
     assert all(result.allowed or result.reserved for result in results)
     moments = sorted(result.moment_us or 0 for result in results)
     gaps = [later - earlier for earlier, later in itertools.pairwise(moments)]
@@ -305,3 +322,83 @@ async def test_the_breaker_s_probe_asks_every_budget_s_primary(redis_cluster: Lo
     finally:
         await budget.aclose()
         await close(client)
+
+
+@async_test
+async def test_a_failed_or_cancelled_decision_gives_back_what_it_reserved(
+    redis_cluster: LocalCluster,
+) -> None:
+    """The site's bucket reserved the request's moment, 5 s ahead; then its call to the proxy's
+    bucket fails (a ConnectionError), or the request is cancelled (a close) while it waits
+    for it: the site's moment is given back, not left spent for a request that does not go."""
+    site, proxy = two_primaries(redis_cluster)
+    site_limit = Limit(rate=0.2, burst=1, text="1 every 5 s")
+    proxy_limit = Limit(rate=1, burst=1, text="1/s")
+    others = [(proxy, proxy_limit, 0.0)]
+    never = asyncio.Event()
+
+    async def fail(call: Call) -> None:
+        if call[:2] == (proxy, 0):
+            raise redis.ConnectionError("the proxy's primary went away")
+
+    async def hang(call: Call) -> None:
+        if call[:2] == (proxy, 0):
+            await never.wait()
+
+    async with cluster_bucket(redis_cluster) as bucket:
+        assert (await bucket.acquire(site, site_limit)).allowed
+        site_time = bucket_time(redis_cluster, site)
+        with pytest.raises(redis.ConnectionError):
+            await counting(bucket, [], fail).acquire(site, site_limit, 1, 10, 0, others)
+        assert bucket_time(redis_cluster, site) == site_time, "given back after the error"
+        across = counting(bucket, [], hang)
+        task = asyncio.ensure_future(across.acquire(site, site_limit, 1, 10, 0, others))
+        await wait_until_async(lambda: bucket_time(redis_cluster, site) != site_time, "reserved")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert bucket_time(redis_cluster, site) == site_time, "given back at the cancel"
+        assert len(across.locks) == 0
+
+
+@async_test
+async def test_requests_waiting_for_a_node_that_stalls_do_not_call_it_again(
+    redis_cluster: LocalCluster,
+) -> None:
+    """The proxy's primary stops answering (CLIENT PAUSE) while ten requests through it wait
+    for their turn: the first one's call times out and opens the breaker; the nine others are
+    paced by this worker alone at once, instead of calling that node in turn, a timeout each."""
+    site, proxy = two_primaries(redis_cluster)
+    proxy_primary = redis_cluster.owner(redis_cluster.slot(bucket_key(PREFIX, proxy)))
+    settings = {
+        "REDIS_URL": UNUSED_URL,
+        "REDIS_THROTTLE_FALLBACK_WORKERS": 1,
+        "REDIS_THROTTLE_PROBE_INTERVAL": 60,
+        **redis_cluster.settings(),
+    }
+    config = ThrottleConfig.from_settings(Settings(settings))
+    client = connect(config)
+    stats = MemoryStatsCollector(get_crawler())
+    budget = ResilientBucket(client, config, stats, dict)
+    limit = Limit(rate=100, burst=1, text="100/s")
+    # Longer than a call's timeout (1 s): unpaused only when it ends (CLIENT UNPAUSE waits too).
+    pause_ms = 2500
+    try:
+        await budget.check()
+        with proxy_primary.client() as admin:
+            admin.execute_command("CLIENT", "PAUSE", pause_ms, "ALL")
+        grants = await asyncio.gather(
+            *(budget.acquire(f"{n}.{site}", limit, 1, [(proxy, limit)]) for n in range(10))
+        )
+    finally:
+        await budget.aclose()
+        await close(client)
+        with proxy_primary.client() as admin:
+            admin.ping()  # answered once the pause is over: the next test finds it well
+    assert [grant.shared for grant in grants] == [False] * 10, "paced by this worker alone"
+    errors = {
+        name: count
+        for name, count in stats.get_stats().items()
+        if name.startswith("redis_throttle/redis_errors/")
+    }
+    assert sum(errors.values()) == 1, errors

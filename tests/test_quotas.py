@@ -263,7 +263,7 @@ def test_the_script_checks_each_limit(redis_server: RedisServer) -> None:
     keys = [KEY, KEY + ":rate", KEY + QUOTA_SUFFIX, KEY + LOG_SUFFIX]
     with redis.Redis.from_url(redis_server.url) as client:
         script = client.register_script(load_script("token_bucket.lua"))
-        base = ["100000", "5", "1", "0", "0", "0"]  # ... reserve, busy_for, not_before
+        base = ["100000", "5", "1", "0", "0", "0", "0"]  # ... busy_for, not_before, alone
         for extra, message in [
             (["x", "5", "1000000"], "limit 1 must be t, f or s"),
             (["s", "0", "1000000"], "limit 1 must be t, f or s"),

@@ -159,17 +159,18 @@ async def test_bad_limits_of_other_scopes_are_refused_by_name(redis_server: Redi
             await bucket.acquire(SITE, FAST, others=too_many)
         with pytest.raises(ResponseError, match=r"cost 2\.0 exceeds scope 2's burst 1"):
             await bucket.acquire(SITE, FAST, cost=2, others=[(HOST, SLOW, 0)])
-        # The domain's four keys, then the host's bucket; ARGV: the domain's six, then its three.
+        # The domain's four keys, then the host's bucket; ARGV: the domain's 7, then its three.
         keys = [bucket_key(PREFIX, name) for name in (SITE, "rate", "quota", "log", HOST)]
         sha = await client.script_load(load_script("token_bucket.lua"))
+        domain_args = ["1e4", "10", "1", "0", "0", "0", "0"]
         # Too few arguments for the other scope's three, or a more limit cut short.
-        short = (["1e6", "3", "1", "1e6", "0", "0"], ["1e4", "10", "1", "0", "0", "1e6", "1", "0"])
-        for args in (*short, ["1e4", "10", "1", "0", "0", "0", "t", "1e6", "1", "0"]):
-            with pytest.raises(ResponseError, match="1 other scopes take 6 arguments"):
+        short = (domain_args[:-1], [*domain_args, "1e6", "1"])
+        for args in (*short, [*domain_args, "t", "1e6", "1", "0"]):
+            with pytest.raises(ResponseError, match="1 other scopes take 7 arguments"):
                 await client.evalsha(sha, len(keys), *keys, *args)
         bad = (("0", "1", "0"), ("nan", "1", "0"), ("1e6", "0", "0"), ("1e15", "1", "0"))
         for other_args in (*bad, ("1e6", "1", "-1"), ("1e6", "1", "inf")):
-            args = ["1e4", "10", "1", "0", "0", "0", *other_args]
+            args = [*domain_args, *other_args]
             with pytest.raises(ResponseError, match="scope 2's interval, burst and busy_for"):
                 await client.evalsha(sha, len(keys), *keys, *args)
     finally:

@@ -241,6 +241,13 @@ def test_invalid_not_before(bucket: Bucket, not_before: str) -> None:
     assert bucket.client.get(KEY) is None
 
 
+@pytest.mark.parametrize("alone", ["", "2", "true", "1 "])
+def test_invalid_alone(bucket: Bucket, alone: str) -> None:
+    with pytest.raises(redis.ResponseError, match="alone must be 0 or 1"):
+        bucket.call_raw("1000", "1", "1", "0", "0", "0", alone)
+    assert bucket.client.get(KEY) is None
+
+
 def test_busy_for_counts_tokens_taken_elsewhere(bucket: Bucket) -> None:
     """A worker back from its local fallback says how long its local tokens keep the domain
     busy: the shared bucket is empty until then, even if Redis lost or never had the key."""
