@@ -214,7 +214,10 @@ async def test_after_an_outage_a_worker_keeps_to_its_share_while_others_may_pace
         await bucket.aclose()
         await client.aclose()
     steps = [later - earlier for earlier, later in itertools.pairwise(handover)]
-    assert all(0.19 < step < 0.3 for step in steps), handover
+    # The share's moments are 0.2 s apart (the shared pace's, 0.1 s); Redis decides each one a
+    # round trip later, the first after reading its clock anew: a busy machine moves one
+    # decision by tens of ms (CI: a step of 0.1897 s).
+    assert all(0.15 < step < 0.3 for step in steps), handover
     steps = [later - earlier for earlier, later in itertools.pairwise(shared)]
     assert steps == pytest.approx([0.1] * 3, abs=0.02), shared
 
