@@ -96,57 +96,6 @@ def test_local_buckets_start_where_the_shared_bucket_was() -> None:
     assert result.retry_after == pytest.approx(1.0), "after the tokens Redis already gave out"
 
 
-def test_only_tokens_taken_locally_are_told_to_redis_once() -> None:
-    """busy_for is what this process took while Redis failed: Redis's own view, followed from
-    its replies, is not sent back to it (sent late, it would push the shared bucket later);
-    tokens taken locally are told until a reply shows a call told them, and one taken after
-    that call was sent is told by the next."""
-    clock = Clock()
-    local = LocalBuckets(clock=clock)
-    limit = Limit(10, 1, "10/s")
-    shared = AcquireResult(allowed=True, reserved=False, tokens_left=0, retry_after=0,
-                           reset_after=1.0)  # fmt: skip
-    local.follow("a.example", shared)
-    assert local.busy_for("a.example") == 0, "Redis's own view"
-    local.acquire("a.example", limit, 1, reserve=5, workers=1)
-    assert local.busy_for("a.example") == pytest.approx(1.1), "after what Redis gave out"
-    sent = local.untold(["a.example", "b.example"])
-    assert sent.keys() == {"a.example"}
-    local.acquire("a.example", limit, 1, reserve=5, workers=1)  # while the call was under way
-    local.told(sent)
-    assert local.busy_for("a.example") == pytest.approx(1.2), "the later take still to tell"
-    local.told(local.untold(["a.example"]))
-    assert local.busy_for("a.example") == 0
-    local.acquire("a.example", limit, 1, reserve=5, workers=1)
-    local.forget("a.example")
-    assert local.busy_for("a.example") == 0
-
-
-@async_test
-async def test_a_call_that_reaches_redis_late_does_not_push_the_bucket_later(
-    own_redis: RedisServer,
-) -> None:
-    """While Redis answers, a call that waited on its way (here: CLIENT PAUSE, 0.3 s; after a
-    cluster's failover, the new primary's clock read first) is decided by Redis's state alone:
-    the bucket, full again by then, lets it go at once. (A busy_for worked out when the call
-    was made, from this worker's view of the bucket, pushed the bucket that much later: a gap
-    at the site, 0.61 s in a CI run of test_cluster's failover.)"""
-    config = ThrottleConfig.from_settings(Settings({"REDIS_THROTTLE_URL": own_redis.url}))
-    client = connect_url(own_redis.url, config.redis_params, 2)
-    budget = ResilientBucket(client, config, MemoryStatsCollector(get_crawler()), dict)
-    limit = Limit(10, 1, "10/s")
-    try:
-        await budget.check()
-        assert (await budget.acquire("a.example", limit, 1)).result.allowed
-        with own_redis.client() as admin:
-            admin.execute_command("CLIENT", "PAUSE", 300, "WRITE")
-        late = (await budget.acquire("a.example", limit, 1)).result
-    finally:
-        await budget.aclose()
-        await client.aclose()
-    assert late.allowed, late
-
-
 def test_local_buckets_forget_full_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(resilience, "LOCAL_PRUNE_SIZE", 100)
     clock = Clock()
