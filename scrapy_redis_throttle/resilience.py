@@ -159,10 +159,11 @@ class LocalBuckets:
     a fallback starts from there, so that tokens reserved in Redis before the outage are not
     spent a second time locally. The other way round, :meth:`busy_for` tells Redis how long
     this process sees the bucket busy, once Redis is back, for the domains it took tokens of
-    locally, until a reply shows Redis was told (:meth:`told`). Only then: while Redis answers,
-    this view is Redis's own, and a duration sent late (a call that waited for a cluster's new
-    primary, for a busy process) would push the shared bucket's time that much later, a gap
-    at the site. The clock is the event loop's (both are ``time.monotonic``).
+    locally or saw busy when Redis failed, until a reply shows Redis was told (:meth:`told`).
+    Only then: while Redis answers, this view is Redis's own, and a duration sent late (a call
+    that waited for a cluster's new primary, for a busy process) would push the shared
+    bucket's time that much later, a gap at the site. The clock is the event loop's (both are
+    ``time.monotonic``).
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
@@ -216,6 +217,16 @@ class LocalBuckets:
         if full_at is None or domain not in self._untold:
             return 0.0
         return max(0.0, full_at - self._clock())
+
+    def tell_again(self) -> None:
+        """Redis failed: once it is back, every bucket still busy is told again, as if its tokens
+        were taken locally. It may have lost them (restarted empty; a replica that had not
+        caught up took over), and requests hold moments reserved there."""
+        now = self._clock()
+        for domain, full_at in self._full_at.items():
+            if full_at > now:
+                self._takes += 1
+                self._untold[domain] = self._takes
 
     def untold(self, domains: Iterable[str]) -> dict[str, int]:
         """Which of *domains* have tokens taken locally to tell Redis of, as :meth:`told`
@@ -554,6 +565,7 @@ class ResilientBucket:
         if not self.breaker.failed():
             return
         self._openings += 1
+        self.local.tell_again()
         self._went_down(exc)
         self._prober = asyncio.ensure_future(self._probe_until_back())
 

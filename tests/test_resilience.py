@@ -103,7 +103,7 @@ def test_only_tokens_taken_locally_are_told_to_redis_once() -> None:
     """busy_for is what this process took while Redis failed: Redis's own view, followed from
     its replies, is not sent back to it (sent late, it would push the shared bucket later);
     tokens taken locally are told until a reply shows a call told them, and one taken after
-    that call was sent is told by the next."""
+    that call was sent is told by the next; after a failure of Redis, every busy bucket."""
     clock = Clock()
     local = LocalBuckets(clock=clock)
     limit = Limit(10, 1, "10/s")
@@ -123,6 +123,14 @@ def test_only_tokens_taken_locally_are_told_to_redis_once() -> None:
     local.acquire("a.example", limit, 1, reserve=5, workers=1)
     local.forget("a.example")
     assert local.busy_for("a.example") == 0
+    # Redis failed: what was seen busy in it is told again (it may have lost it); not a bucket
+    # full again by then.
+    local.follow("b.example", shared)
+    clock.now += 0.5
+    local.tell_again()
+    assert local.busy_for("a.example") == 0
+    assert local.busy_for("b.example") == pytest.approx(0.5)
+    assert local.busy_for("c.example") == 0
 
 
 @contextlib.asynccontextmanager
@@ -174,6 +182,28 @@ async def test_tokens_taken_locally_are_told_until_a_call_takes_tokens(
         assert not result.allowed, result
         assert not result.reserved, result
         assert 1 < result.retry_after <= 3.1, result
+
+
+@async_test
+async def test_moments_reserved_before_redis_restarted_empty_are_told_again(
+    own_redis: RedisServer,
+) -> None:
+    """Redis restarted empty forgot the moments it had reserved, which requests still hold: once
+    it is back, each worker tells it again how long it saw the bucket busy (although it took
+    nothing locally: here the "wait" policy), so that the next request comes after them."""
+    limit = Limit(1, 1, "1/s")
+    async with own_budget(own_redis, REDIS_THROTTLE_ON_REDIS_ERROR="wait") as budget:
+        for _ in range(6):  # moments until 5 s from now
+            await budget.acquire("a.example", limit, 1)
+        own_redis.stop()
+        waiting = asyncio.ensure_future(budget.acquire("a.example", limit, 1))
+        await wait_until_async(lambda: budget.breaker.open_for() is not None, "the failure")
+        own_redis.start()
+        grant = await waiting
+    assert grant.shared, grant
+    assert grant.waited_for_redis, grant
+    assert grant.result.reserved, grant
+    assert 2 < grant.result.retry_after <= 6, grant
 
 
 def test_local_buckets_forget_full_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
