@@ -12,9 +12,11 @@
 -- ARGV[4]  reserve (optional, default 0): microseconds; a request that could go within that time
 --          (from not_before, when that is later than now) reserves its tokens now for the moment
 --          they are there. Below 0: nothing is taken, the reply only tells when (a peek)
--- ARGV[5]  busy_for (optional, default 0): microseconds; the bucket is not full before now (or
---          not_before, when that is later) plus this, whatever it holds: the caller took tokens
---          from its local fallback while Redis was unavailable, and they count here too
+-- ARGV[5]  busy_until (optional, default 0: none): µs since the epoch by Redis's clock; the
+--          bucket is not full before it, whatever it holds: when the caller sees the bucket full
+--          again (the tokens it took from its local fallback while Redis was unavailable, and
+--          the moments Redis gave out, which it may have lost since). A moment, not a duration:
+--          a call that reaches Redis late does not push the bucket later
 -- ARGV[6]  not_before (optional, default 0): µs since the epoch by Redis's clock; the request's
 --          moment is not before it (the moment its other scopes' buckets gave it, on other nodes
 --          of a Redis Cluster: see across_nodes.py)
@@ -35,7 +37,7 @@
 -- KEYS[5..] (optional, after all four keys above) the buckets of the request's other scopes (at
 --          most MAX_SCOPES - 1; see scopes.py): each must allow the request too. ARGV ends with
 --          three arguments for each, in order: its interval, its burst (a limit set live in its
---          bucket overrides them, and one paused live pauses the request) and its busy_for
+--          bucket overrides them, and one paused live pauses the request) and its busy_until
 --
 -- With more limits or other scopes, a request goes (or reserves its moment) only when every limit
 -- and every bucket allows it, nothing is taken from any of them when one refuses, and the wait
@@ -129,17 +131,17 @@ end
 -- more Redis CPU per call); number_arg names the bad one. Comparisons with NaN are false.
 local huge = math.huge
 local interval, burst, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local reserve, busy_for = tonumber(ARGV[4] or "0"), tonumber(ARGV[5] or "0")
+local reserve, busy_until = tonumber(ARGV[4] or "0"), tonumber(ARGV[5] or "0")
 local not_before, alone = tonumber(ARGV[6] or "0"), ARGV[7] or "0"
-if not (interval and burst and cost and reserve and busy_for and not_before
+if not (interval and burst and cost and reserve and busy_until and not_before
     and interval > 0 and interval <= MAX_INTERVAL and burst >= 1 and burst < huge
     and cost > 0 and cost < huge and reserve > -huge and reserve < huge
-    and busy_for >= 0 and busy_for < huge and not_before >= 0 and not_before < huge) then
+    and busy_until >= 0 and busy_until < huge and not_before >= 0 and not_before < huge) then
   number_arg(1, "interval", 0, false)
   number_arg(2, "burst", 1, true)
   number_arg(3, "cost", 0, false)
   number_arg(4, "reserve", -huge, false, "0")
-  number_arg(5, "busy_for", 0, true, "0")
+  number_arg(5, "busy_until", 0, true, "0")
   number_arg(6, "not_before", 0, true, "0")
   return redis.error_reply("ERR redis_throttle: interval must be at most 1e14, got " .. ARGV[1])
 end
@@ -154,6 +156,10 @@ local now = server_now()
 if not_before >= now + MAX_AHEAD then
   return redis.error_reply("ERR redis_throttle: not_before must be before now + 1e15, got "
     .. ARGV[6])
+end
+if busy_until >= now + MAX_AHEAD then
+  return redis.error_reply("ERR redis_throttle: busy_until must be before now + 1e15, got "
+    .. ARGV[5])
 end
 
 -- The state is an integer (microseconds), which Redis keeps inside the key's value object, with
@@ -242,12 +248,8 @@ if KEYS[2] then
   end
 end
 
--- busy_for counts from not_before, when that is later than now: across_nodes.py's calls at one
--- moment keep one end to it, whenever each is run.
-local from = math.max(now, not_before)
-if tat == nil or tat < from + busy_for then
-  tat = from + busy_for
-end
+-- Not before now (a key outlives its time by up to a millisecond: PX), nor before busy_until.
+tat = math.max(tat or now, now, busy_until)
 
 -- From the unrounded time, to the nearest µs: with an interval that is no whole number of µs,
 -- rounding up made the first request of a full bucket wait 1 µs instead of going.
@@ -260,13 +262,14 @@ wait = math.max(wait, after)
 local other_buckets = {}
 for n = 1, others do
   local index = more_end + 3 * n - 2
-  local other_interval, other_burst, other_busy_for =
+  local other_interval, other_burst, other_busy_until =
     tonumber(ARGV[index]), tonumber(ARGV[index + 1]), tonumber(ARGV[index + 2])
-  if not (other_interval and other_burst and other_busy_for and other_interval > 0
+  if not (other_interval and other_burst and other_busy_until and other_interval > 0
       and other_interval <= MAX_INTERVAL and other_burst >= 1 and other_burst < huge
-      and other_busy_for >= 0 and other_busy_for < huge) then
+      and other_busy_until >= 0 and other_busy_until < now + MAX_AHEAD) then
     return redis.error_reply(string.format("ERR redis_throttle: scope %d's interval, burst and "
-      .. "busy_for must be finite numbers > 0 (at most 1e14), >= 1 and >= 0, got %s %s %s",
+      .. "busy_until must be numbers > 0 (at most 1e14), >= 1 (finite) and >= 0 (before now + "
+      .. "1e15), got %s %s %s",
       n + 1, tostring(ARGV[index]), tostring(ARGV[index + 1]), tostring(ARGV[index + 2])))
   end
   local other_cost = math.min(tonumber(ARGV[3]), other_burst)
@@ -283,7 +286,7 @@ for n = 1, others do
     other_interval, other_burst, other_cost =
       live_limit(other_interval, other_burst, other_cost, other_rate, other_live_burst)
   end
-  other_tat = math.max(other_tat or now, from + other_busy_for)
+  other_tat = math.max(other_tat or now, now, other_busy_until)
   other_buckets[n] = {tat = other_tat, interval = other_interval, burst = other_burst,
     cost = other_cost, live = other_live}
   wait = math.max(wait,
@@ -312,7 +315,7 @@ if limits then
     local quota = {algorithm = algorithm, count = count, period = period,
       field = algorithm .. limit[2] .. "/" .. limit[3]}
     if algorithm == "t" then
-      -- busy_for is the domain's own bucket's: a quota's tokens were not taken meanwhile.
+      -- busy_until is the domain's own bucket's: a quota's tokens were not taken meanwhile.
       local quota_tat = tonumber(redis.call("HGET", KEYS[3], quota.field))
       if not (quota_tat and quota_tat < now + MAX_AHEAD) then  -- (NaN fails too)
         quota_tat = now

@@ -37,8 +37,8 @@ if TYPE_CHECKING:
     from .bucket import AcquireResult, Reservation
     from .rates import Limit
 
-    # One bucket's call of token_bucket.lua: name, limit, cost, reserve, busy_for, not_before,
-    # alone.
+    # One bucket's call of token_bucket.lua: name, limit, cost, reserve, busy_until,
+    # not_before, alone.
     AcquireOne = Callable[[str, Limit, float, float, float, int, bool], Awaitable[AcquireResult]]
     Unreserve = Callable[[str, Sequence[Reservation]], Awaitable[object]]
 
@@ -93,7 +93,7 @@ class Budget(NamedTuple):
 
     name: str
     limit: Limit
-    busy_for: float
+    busy_until: float
     alone: bool
     """Another scope's: its bucket is read as in one call (see ``lua/token_bucket.lua``)."""
 
@@ -116,7 +116,7 @@ class AcrossNodes:
         limit: Limit,
         cost: float,
         reserve: float,
-        busy_for: float,
+        busy_until: float,
         others: Sequence[tuple[str, Limit, float]],
     ) -> AcquireResult:
         """As :meth:`.TokenBucket.acquire`, the result of *domain*'s bucket: the request's
@@ -124,7 +124,7 @@ class AcrossNodes:
         :class:`CallsStopped` if Redis failed while the request waited for its turn."""
         # Another scope's quotas count only where it is a request's domain, as in one call.
         budgets = [
-            Budget(domain, limit, busy_for, alone=False),
+            Budget(domain, limit, busy_until, alone=False),
             *(
                 Budget(name, dataclasses.replace(each, quotas=()), busy, alone=True)
                 for name, each, busy in others
@@ -154,21 +154,14 @@ class AcrossNodes:
         """The rounds (see the module's docs); *taken* holds the reservations made and not
         given back yet, until the request's moment is decided."""
         loop = asyncio.get_running_loop()
-        peeks = await asyncio.gather(
-            *(self._call(budget, cost, PEEK, 0, budget.busy_for) for budget in budgets)
-        )
+        peeks = await asyncio.gather(*(self._call(budget, cost, PEEK, 0) for budget in budgets))
         paused = [result for result in peeks if result.paused]
         if paused:
             return paused[0]
-        # When each bucket's busy_for ends, by its node's clock: the same end for every call.
-        busy_until = [
-            _server_us(peek) - peek.retry_after * 1e6 + budget.busy_for * 1e6
-            for budget, peek in zip(budgets, peeks, strict=True)
-        ]
         results = list(peeks)
 
         async def at(n: int, moment: float) -> None:
-            results[n] = await self._at(budgets[n], cost, moment, results[n], busy_until[n])
+            results[n] = await self._at(budgets[n], cost, moment, results[n])
             if _taken(results[n]):
                 taken.append((budgets[n].name, results[n]))
 
@@ -198,21 +191,18 @@ class AcrossNodes:
         return _refused(results[0], max(_moment(result) for result in results))
 
     async def _at(
-        self, budget: Budget, cost: float, moment: float, last: AcquireResult, busy_until: float
+        self, budget: Budget, cost: float, moment: float, last: AcquireResult
     ) -> AcquireResult:
         """*budget*'s tokens taken at *moment* (loop time), or nothing: its reply. *last*: its
-        last reply, whose offset converts the moment to its node's clock; *busy_until*: when
-        its busy_for ends by that clock (the script counts busy_for from not_before)."""
+        last reply, whose offset converts the moment to its node's clock."""
         not_before = max(0, math.ceil(_server_us(last) + (moment - _moment(last)) * 1e6))
-        return await self._call(
-            budget, cost, 0.0, not_before, max(0.0, busy_until - not_before) / 1e6
-        )
+        return await self._call(budget, cost, 0.0, not_before)
 
     async def _call(
-        self, budget: Budget, cost: float, reserve: float, not_before: int, busy_for: float
+        self, budget: Budget, cost: float, reserve: float, not_before: int
     ) -> AcquireResult:
         return await self._acquire_one(
-            budget.name, budget.limit, cost, reserve, busy_for, not_before, budget.alone
+            budget.name, budget.limit, cost, reserve, budget.busy_until, not_before, budget.alone
         )
 
     async def _give_back(self, taken: list[tuple[str, AcquireResult]]) -> None:

@@ -133,23 +133,24 @@ def script_args(
     limit: Limit,
     cost: float,
     reserve: float = 0,
-    busy_for: float = 0,
-    others: Sequence[tuple[str, Limit, float]] = (),
+    busy_until: int = 0,
+    others: Sequence[tuple[str, Limit, int]] = (),
     not_before: int = 0,
     alone: bool = False,
 ) -> list[bytes]:
-    """ARGV of ``token_bucket.lua``. ``busy_for``, ``not_before`` and ``alone`` are sent only
-    when they are not the script's defaults or more arguments follow: every argument costs
-    client CPU on every request."""
+    """ARGV of ``token_bucket.lua`` (``busy_until`` and ``not_before``: µs by Redis's clock, 0:
+    none). ``busy_until``, ``not_before`` and ``alone`` are sent only when they are not the
+    script's defaults or more arguments follow: every argument costs client CPU on every
+    request."""
     args = _fixed_args(limit, cost, reserve)
-    if busy_for > 0 or limit.quotas or others or not_before or alone:
+    if busy_until or limit.quotas or others or not_before or alone:
         return [
             *args,
-            _us(busy_for),
+            b"%d" % busy_until,
             b"%d" % not_before,
             b"1" if alone else b"0",
             *_quota_args(limit.quotas),
-            *(part for _, other, busy in others for part in (*_other_args(other), _us(busy))),
+            *(part for _, other, busy in others for part in (*_other_args(other), b"%d" % busy)),
         ]
     return list(args)
 
@@ -168,9 +169,14 @@ def _other_args(limit: Limit) -> tuple[bytes, bytes]:
     return repr(limit.interval_us).encode(), str(limit.burst).encode()
 
 
-def _us(seconds: float) -> bytes:
-    """*seconds* as the script's microseconds."""
-    return b"0" if seconds <= 0 else repr(seconds * 1e6).encode()
+def _moment_us(clock: ServerClock, moment: float) -> int:
+    """*moment* (loop time; 0: none) by *clock*, as the script takes it (0: none, or the clock is
+    unknown: the next call tells it). To the nearest µs, so that a moment of a reply comes back
+    as Redis gave it (rounded up, each call would push the bucket 1 µs later)."""
+    if moment <= 0:
+        return 0
+    moment_us = clock.moment_us(moment)
+    return 0 if moment_us is None else max(0, round(moment_us))
 
 
 @lru_cache(maxsize=1024)
@@ -249,21 +255,21 @@ class TokenBucket:
         limit: Limit,
         cost: float = 1,
         reserve: float = 0,
-        busy_for: float = 0,
+        busy_until: float = 0,
         others: Sequence[tuple[str, Limit, float]] = (),
     ) -> AcquireResult:
         """Take *cost* tokens from *domain*'s bucket if it has them, or reserve them if they will
         be there within *reserve* seconds (atomically, in one call), and as many from the
-        buckets of the request's *others* scopes (name, limit and busy_for), which must all
+        buckets of the request's *others* scopes (name, limit and busy_until), which must all
         allow it (see :mod:`.scopes`): every bucket counts it at the latest moment any allows.
-        The bucket counts as empty for at least *busy_for* seconds (tokens the caller took
-        while Redis was unavailable). With the adaptive rate, tokens refill at the domain's
-        lowered rate, if it has one. On a Redis Cluster, the buckets of several scopes are on
-        several nodes: see :mod:`.across_nodes`."""
+        The bucket counts as empty until *busy_until* at least (loop time; 0: none; see
+        :meth:`.LocalBuckets.busy_until`). With the adaptive rate, tokens refill at the
+        domain's lowered rate, if it has one. On a Redis Cluster, the buckets of several scopes
+        are on several nodes: see :mod:`.across_nodes`."""
         if others and isinstance(self._redis, ClusterClient):
-            return await self._across.acquire(domain, limit, cost, reserve, busy_for, others)
+            return await self._across.acquire(domain, limit, cost, reserve, busy_until, others)
         return await self.acquire_in_one_call(
-            domain, limit, cost, reserve, busy_for, 0, others=others
+            domain, limit, cost, reserve, busy_until, 0, others=others
         )
 
     async def acquire_in_one_call(
@@ -272,7 +278,7 @@ class TokenBucket:
         limit: Limit,
         cost: float,
         reserve: float,
-        busy_for: float,
+        busy_until: float,
         not_before: int,
         alone: bool = False,
         others: Sequence[tuple[str, Limit, float]] = (),
@@ -283,7 +289,6 @@ class TokenBucket:
         another scope's budget, asked on its own (see :mod:`.across_nodes`): its bucket alone,
         read as in one call."""
         key = bucket_key(self._key_prefix, domain)
-        args = script_args(limit, cost, reserve, busy_for, others, not_before, alone)
         with_quotas = bool(limit.quotas) or domain in self._live_quotas
         if alone:
             keys = [key]
@@ -293,6 +298,16 @@ class TokenBucket:
         else:
             keys = [key, key + RATE_SUFFIX] if self._adaptive else [key]
         clock = await self._known_clock(key)
+        # Moments by the node's clock: one a call reaches late is the same moment.
+        args = script_args(
+            limit,
+            cost,
+            reserve,
+            _moment_us(clock, busy_until),
+            [(name, each, _moment_us(clock, busy)) for name, each, busy in others],
+            not_before,
+            alone,
+        )
         loop = asyncio.get_running_loop()
         sent = loop.time()
         reply: list[Any] = await self._script(keys=keys, args=args)
@@ -304,7 +319,7 @@ class TokenBucket:
                 self._live_quotas.clear()  # bounded: a domain forgotten costs one call more
             self._live_quotas.add(domain)
             return await self.acquire_in_one_call(
-                domain, limit, cost, reserve, busy_for, not_before, alone, others
+                domain, limit, cost, reserve, busy_until, not_before, alone, others
             )
         return parse_reply(reply, limit, clock.decided_at(sent, read, reply[3]))
 

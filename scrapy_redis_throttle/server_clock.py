@@ -65,6 +65,14 @@ class ServerClock:
             return None
         return server_us / 1e6 + self._bounds()[0]
 
+    def moment_us(self, moment: float) -> float | None:
+        """A *moment* (loop time) by Redis's clock (µs since the scripts' epoch), as
+        :meth:`loop_time` places Redis's: its inverse, so that a moment of a reply comes back as
+        Redis gave it (None: unknown, or its bounds are over two generations old)."""
+        if not self._known_at(asyncio.get_running_loop().time()):
+            return None
+        return (moment - self._bounds()[0]) * 1e6
+
     def placed(self, moment: float, moment_us: float | None) -> float:
         """A *moment* (loop time) placed by earlier bounds, as the recent bounds place it
         (*moment_us*: the same by Redis's clock; None: not given by Redis). Never later: a

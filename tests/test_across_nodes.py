@@ -192,17 +192,18 @@ async def test_a_moment_taken_meanwhile_is_tried_again_and_the_reserved_given_ba
 async def test_tokens_taken_during_an_outage_keep_one_end_in_every_call(
     redis_cluster: LocalCluster,
 ) -> None:
-    """Back from its local fallback, a worker says how long its local tokens keep each bucket
-    busy (busy_for, from when it asks): the peek and the reservation count to the same end, so
-    that the request is reserved at once, at that end (busy_for counted again from each call
+    """Back from its local fallback, a worker says until when its local tokens keep each bucket
+    busy (busy_until, a moment): the peek and the reservation count to the same end, so that
+    the request is reserved at once, at that end (a duration counted again from each call
     would move the moment later each time, and every round would be refused)."""
     site, proxy = two_primaries(redis_cluster)
     limit = Limit(rate=10, burst=1, text="10/s")
     calls: list[Call] = []
     async with cluster_bucket(redis_cluster) as bucket:
         asked = cluster_now_us(redis_cluster)
+        now = asyncio.get_running_loop().time()
         result = await counting(bucket, calls).acquire(
-            site, limit, 1, 10, 2.0, [(proxy, limit, 0.5)]
+            site, limit, 1, 10, now + 2.0, [(proxy, limit, now + 0.5)]
         )
         answered = cluster_now_us(redis_cluster)
     assert result.reserved

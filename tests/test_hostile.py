@@ -488,7 +488,7 @@ def test_garbage_in_a_domains_keys_is_ignored_not_an_error(
             client.zadd(key + ":l", {"garbage": value})
         else:
             client.hset(key + ":q", where.split()[1], value)
-        # busy_for, not_before and alone 0, then the limit.
+        # busy_until, not_before and alone 0, then the limit.
         first = acquire(keys=keys, args=[*TEN_PER_SECOND, "0", "0", "0", *limit])
         second = acquire(keys=keys, args=[*TEN_PER_SECOND, "0", "0", "0", *limit])
     assert first[:2] == [1, 0], first

@@ -250,11 +250,12 @@ async def test_a_sliding_window_never_allows_more_than_its_count_in_any_window(
 async def test_tokens_taken_while_redis_failed_count_in_the_bucket_not_in_its_quotas(
     redis_server: RedisServer,
 ) -> None:
-    """``busy_for`` (the bucket is not full before then) is the domain's own bucket's."""
+    """``busy_until`` (the bucket is not full before then) is the domain's own bucket's."""
     limits = limit({"rate": "100/h", "burst": 100}, "1/s")
     async with token_bucket(redis_server) as bucket:
         assert (await bucket.acquire(A, limits)).allowed
-        second = await bucket.acquire(A, limits, reserve=60, busy_for=36)
+        loop = asyncio.get_running_loop()
+        second = await bucket.acquire(A, limits, reserve=60, busy_until=loop.time() + 36)
     assert second.reserved
     assert second.retry_after <= 1, "the quota's 1/s, not the bucket's 36 s"
 
@@ -263,7 +264,7 @@ def test_the_script_checks_each_limit(redis_server: RedisServer) -> None:
     keys = [KEY, KEY + ":rate", KEY + QUOTA_SUFFIX, KEY + LOG_SUFFIX]
     with redis.Redis.from_url(redis_server.url) as client:
         script = client.register_script(load_script("token_bucket.lua"))
-        base = ["100000", "5", "1", "0", "0", "0", "0"]  # ... busy_for, not_before, alone
+        base = ["100000", "5", "1", "0", "0", "0", "0"]  # ... busy_until, not_before, alone
         for extra, message in [
             (["x", "5", "1000000"], "limit 1 must be t, f or s"),
             (["s", "0", "1000000"], "limit 1 must be t, f or s"),

@@ -18,10 +18,10 @@ from support import async_test, wait_until_async
 from scrapy_redis_throttle import resilience
 from scrapy_redis_throttle.activity import REPORTS_KEPT, Activity
 from scrapy_redis_throttle.bucket import AcquireResult
-from scrapy_redis_throttle.config import ThrottleConfig
+from scrapy_redis_throttle.config import DEFAULT_KEY_PREFIX, ThrottleConfig
 from scrapy_redis_throttle.connection import connect_url
 from scrapy_redis_throttle.rates import Limit
-from scrapy_redis_throttle.redis_schema import fleet_key
+from scrapy_redis_throttle.redis_schema import bucket_key, fleet_key
 from scrapy_redis_throttle.resilience import CircuitBreaker, LocalBuckets, ResilientBucket
 
 
@@ -70,7 +70,7 @@ def test_local_buckets_pace_each_domain_at_its_share_of_the_rate() -> None:
     waits = [local.acquire("a.example", limit, 1, 0.5, 2) for _ in range(3)]
     assert [w.reserved for w in waits] == [True, True, False]
     assert [w.retry_after for w in waits] == pytest.approx([0.2, 0.4, 0.6])
-    assert local.busy_for("a.example") == pytest.approx(0.6)
+    assert local.busy_until("a.example") == pytest.approx(clock.now + 0.6)
     assert local.acquire("b.example", limit, 1, 0.5, 2).allowed, "domains are independent"
     clock.now += 0.601
     assert local.acquire("a.example", limit, 1, 0.5, 2).allowed
@@ -99,38 +99,24 @@ def test_local_buckets_start_where_the_shared_bucket_was() -> None:
     assert result.retry_after == pytest.approx(1.0), "after the tokens Redis already gave out"
 
 
-def test_only_tokens_taken_locally_are_told_to_redis_once() -> None:
-    """busy_for is what this process took while Redis failed: Redis's own view, followed from
-    its replies, is not sent back to it (sent late, it would push the shared bucket later);
-    tokens taken locally are told until a reply shows a call told them, and one taken after
-    that call was sent is told by the next; after a failure of Redis, every busy bucket."""
+def test_redis_is_told_when_this_process_sees_each_bucket_full_again() -> None:
+    """busy_until: Redis's own moments, followed from its replies, and the tokens taken
+    locally after them; nothing once the bucket is full again, or Redis emptied it."""
     clock = Clock()
     local = LocalBuckets(clock=clock)
     limit = Limit(10, 1, "10/s")
     shared = AcquireResult(allowed=True, reserved=False, tokens_left=0, retry_after=0,
                            reset_after=1.0)  # fmt: skip
     local.follow("a.example", shared)
-    assert local.busy_for("a.example") == 0, "Redis's own view"
+    assert local.busy_until("a.example") == pytest.approx(clock.now + 1.0), "Redis's own view"
     local.acquire("a.example", limit, 1, reserve=5, workers=1)
-    assert local.busy_for("a.example") == pytest.approx(1.1), "after what Redis gave out"
-    sent = local.untold(["a.example", "b.example"])
-    assert sent.keys() == {"a.example"}
-    local.acquire("a.example", limit, 1, reserve=5, workers=1)  # while the call was under way
-    local.told(sent)
-    assert local.busy_for("a.example") == pytest.approx(1.2), "the later take still to tell"
-    local.told(local.untold(["a.example"]))
-    assert local.busy_for("a.example") == 0
+    assert local.busy_until("a.example") == pytest.approx(clock.now + 1.1), "and a local take"
+    assert local.busy_until("b.example") == 0
+    clock.now += 1.1
+    assert local.busy_until("a.example") == 0, "full again"
     local.acquire("a.example", limit, 1, reserve=5, workers=1)
     local.forget("a.example")
-    assert local.busy_for("a.example") == 0
-    # Redis failed: what was seen busy in it is told again (it may have lost it); not a bucket
-    # full again by then.
-    local.follow("b.example", shared)
-    clock.now += 0.5
-    local.tell_again()
-    assert local.busy_for("a.example") == 0
-    assert local.busy_for("b.example") == pytest.approx(0.5)
-    assert local.busy_for("c.example") == 0
+    assert local.busy_until("a.example") == 0
 
 
 @contextlib.asynccontextmanager
@@ -152,10 +138,10 @@ async def test_a_call_that_reaches_redis_late_does_not_push_the_bucket_later(
     own_redis: RedisServer,
 ) -> None:
     """While Redis answers, a call that waited on its way (here: CLIENT PAUSE, 0.3 s; after a
-    cluster's failover, the new primary's clock read first) is decided by Redis's state alone:
-    the bucket, full again by then, lets it go at once. (A busy_for worked out when the call
-    was made, from this worker's view of the bucket, pushed the bucket that much later: a gap
-    at the site, 0.61 s in a CI run of test_cluster's failover.)"""
+    cluster's failover, the new primary's clock read first) is decided by Redis's state: the
+    bucket, full again by then, lets it go at once. (This worker's view of the bucket, sent as
+    a duration worked out when the call was made, pushed the bucket that much later: a gap at
+    the site, 0.535 s in a CI run of test_cluster's failover.)"""
     limit = Limit(10, 1, "10/s")
     async with own_budget(own_redis) as budget:
         assert (await budget.acquire("a.example", limit, 1)).result.allowed
@@ -166,10 +152,8 @@ async def test_a_call_that_reaches_redis_late_does_not_push_the_bucket_later(
 
 
 @async_test
-async def test_tokens_taken_locally_are_told_until_a_call_takes_tokens(
-    own_redis: RedisServer,
-) -> None:
-    """A call refused (its moment beyond REDIS_THROTTLE_MAX_RESERVE) writes nothing, busy_for
+async def test_tokens_taken_locally_are_told_by_every_call(own_redis: RedisServer) -> None:
+    """A call refused (its moment beyond REDIS_THROTTLE_MAX_RESERVE) writes nothing, busy_until
     neither: the tokens taken locally are told again by the next call, which Redis refuses too
     (when the first refusal counted as telling them, Redis let the next request go at once,
     among the moments the local fallback had given out: 8 releases in 0.495 s at 10/s)."""
@@ -189,8 +173,8 @@ async def test_moments_reserved_before_redis_restarted_empty_are_told_again(
     own_redis: RedisServer,
 ) -> None:
     """Redis restarted empty forgot the moments it had reserved, which requests still hold: once
-    it is back, each worker tells it again how long it saw the bucket busy (although it took
-    nothing locally: here the "wait" policy), so that the next request comes after them."""
+    it is back, the next call tells it until when this worker saw the bucket busy (although it
+    took nothing locally: here the "wait" policy), so that the next request comes after them."""
     limit = Limit(1, 1, "1/s")
     async with own_budget(own_redis, REDIS_THROTTLE_ON_REDIS_ERROR="wait") as budget:
         for _ in range(6):  # moments until 5 s from now
@@ -204,6 +188,22 @@ async def test_moments_reserved_before_redis_restarted_empty_are_told_again(
     assert grant.waited_for_redis, grant
     assert grant.result.reserved, grant
     assert 2 < grant.result.retry_after <= 6, grant
+
+
+@async_test
+async def test_moments_redis_lost_without_an_error_are_told_again(own_redis: RedisServer) -> None:
+    """A bucket lost while Redis answers (deleted here; a Cluster's forced failover to a replica
+    that had not caught up) is no outage: the next call tells Redis its moments all the same."""
+    limit = Limit(1, 1, "1/s")
+    async with own_budget(own_redis) as budget:
+        for _ in range(6):  # moments until 5 s from now
+            await budget.acquire("a.example", limit, 1)
+        with own_redis.client() as admin:
+            assert admin.delete(bucket_key(DEFAULT_KEY_PREFIX, "a.example")) == 1
+        result = (await budget.acquire("a.example", limit, 1)).result
+        assert budget.breaker.open_for() is None
+    assert result.reserved, result
+    assert 3 < result.retry_after <= 6, result
 
 
 def test_local_buckets_forget_full_buckets(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -89,6 +89,23 @@ async def test_a_moment_placed_late_is_placed_again_by_later_bounds() -> None:
     assert ServerClock().placed(moment, moment_us) == moment
 
 
+@async_test
+async def test_a_moment_of_a_reply_goes_back_to_redis_as_redis_gave_it() -> None:
+    """moment_us is loop_time's inverse: a worker that tells Redis back a moment it replied
+    (busy_until) tells it that very moment, however late the reply was read; a moment of its
+    own (tokens taken locally) by the same bounds, the earliest they allow (a round trip at
+    most, once bounds are narrow; 0.19 s here, a reply read that late). Unknown without
+    bounds."""
+    now = asyncio.get_running_loop().time()
+    clock = ServerClock()
+    assert clock.moment_us(now) is None
+    decided = clock.decided_at(now - 0.2, now - 0.01, server_us(now - 0.2))
+    given_us = server_us(now - 0.2) + 300_000
+    assert clock.moment_us(decided + 0.3) == pytest.approx(given_us, abs=1e-3)
+    assert clock.moment_us(clock.loop_time(given_us) or 0) == pytest.approx(given_us, abs=1e-3)
+    assert clock.moment_us(now + 5) == pytest.approx(server_us(now + 5) - 190_000, abs=1e-3)
+
+
 def test_a_redis_cluster_is_not_asked_for_clocks_it_has_not_told_of() -> None:
     """Each primary of a Redis Cluster has a clock of its own (see test_cluster.py); before the
     cluster told where a bucket is, its clock is unknown (no connection is made here)."""

@@ -218,20 +218,21 @@ def test_not_before_moves_the_moment_and_the_reserve_counts_from_it(bucket: Buck
     assert (status, now_us + retry_us) == (0, moment + 200_000)
 
 
-def test_busy_for_counts_from_not_before(bucket: Bucket) -> None:
-    """across_nodes.py peeks with busy_for counted from now, then reserves with what is left of
-    it counted from not_before: one end, whenever each call runs."""
+def test_busy_until_counts_from_not_before(bucket: Bucket) -> None:
+    """across_nodes.py peeks, then reserves at not_before: busy_until is a moment by Redis's
+    clock, the same end for both calls, whenever each runs."""
     limit = Limit(10, 1, "test")
     moment = redis_now_us(bucket.client) + 500_000
+    busy_until = moment + 1_000_000
     status, retry_us, _, now_us = bucket.script(
-        keys=[KEY], args=script_args(limit, 1, 0, busy_for=1.0, not_before=moment)
+        keys=[KEY], args=script_args(limit, 1, 0, busy_until=busy_until, not_before=moment)
     )
-    assert (status, now_us + retry_us) == (0, moment + 1_000_000), "busy until a second after"
+    assert (status, now_us + retry_us) == (0, busy_until), "busy until a second after"
     status, retry_us, reset_us, now_us, _ = bucket.script(
-        keys=[KEY], args=script_args(limit, 1, 2, busy_for=1.0, not_before=moment)
+        keys=[KEY], args=script_args(limit, 1, 2, busy_until=busy_until, not_before=moment)
     )
-    assert (status, now_us + retry_us) == (2, moment + 1_000_000)
-    assert now_us + reset_us == moment + 1_100_000
+    assert (status, now_us + retry_us) == (2, busy_until)
+    assert now_us + reset_us == busy_until + 100_000
 
 
 @pytest.mark.parametrize("not_before", ["-1", "nan", "inf", "x", "1e20"])
@@ -248,21 +249,28 @@ def test_invalid_alone(bucket: Bucket, alone: str) -> None:
     assert bucket.client.get(KEY) is None
 
 
-def test_busy_for_counts_tokens_taken_elsewhere(bucket: Bucket) -> None:
-    """A worker back from its local fallback says how long its local tokens keep the domain
-    busy: the shared bucket is empty until then, even if Redis lost or never had the key."""
+def test_busy_until_counts_tokens_taken_elsewhere(bucket: Bucket) -> None:
+    """A worker back from its local fallback says until when its local tokens keep the domain
+    busy: the shared bucket is empty until then, even if Redis lost or never had the key; a
+    moment, the same however late the call comes."""
     limit = Limit(10, 1, "test")
-    started = time.monotonic()
-    status, retry_us, *_ = bucket.script(keys=[KEY], args=script_args(limit, 1, 2.0, 0.5))
-    elapsed = time.monotonic() - started
-    assert status == 2
-    assert 500_000 - 1e6 * elapsed <= retry_us <= 500_000
+    busy_until = redis_now_us(bucket.client) + 500_000
+    status, retry_us, _, now_us, _ = bucket.script(
+        keys=[KEY], args=script_args(limit, 1, 2.0, busy_until)
+    )
+    assert (status, now_us + retry_us) == (2, busy_until)
     # Never earlier than what the bucket already holds.
-    status, retry_us, *_ = bucket.script(keys=[KEY], args=script_args(limit, 1, 2.0, 0.1))
-    assert status == 2
-    assert 600_000 - 1e6 * (time.monotonic() - started) <= retry_us <= 600_000
-    with pytest.raises(redis.ResponseError, match="busy_for must be a finite number >= 0"):
-        bucket.call_raw("1000", "1", "1", "0", "-1")
+    status, retry_us, _, now_us, _ = bucket.script(
+        keys=[KEY], args=script_args(limit, 1, 2.0, busy_until - 400_000)
+    )
+    assert (status, now_us + retry_us) == (2, busy_until + 100_000)
+
+
+@pytest.mark.parametrize("busy_until", ["-1", "nan", "inf", "x", "1e20"])
+def test_invalid_busy_until(bucket: Bucket, busy_until: str) -> None:
+    with pytest.raises(redis.ResponseError, match="busy_until must be"):
+        bucket.call_raw("1000", "1", "1", "0", busy_until)
+    assert bucket.client.get(KEY) is None
 
 
 @pytest.mark.parametrize(
