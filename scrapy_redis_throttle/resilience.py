@@ -47,7 +47,7 @@ from .seals import Seals
 from .tasks import cancel_and_wait
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Sequence
+    from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 
     from scrapy.statscollectors import StatsCollector
 
@@ -157,19 +157,24 @@ class LocalBuckets:
 
     While Redis answers, :meth:`follow` records when each domain's shared bucket is full again;
     a fallback starts from there, so that tokens reserved in Redis before the outage are not
-    spent a second time locally. The other way round, :meth:`busy_until` tells Redis, on every
-    call, until when this process sees the bucket busy: once Redis is back, the tokens taken
-    locally; and the moments Redis gave out, should it have lost them (restarted empty, a
-    replica that had not caught up took over, keys deleted). While Redis keeps them, this view
-    is its own (its replies' times count from when Redis decided, see :class:`.ServerClock`),
-    and telling it changes nothing: it is sent as a moment by Redis's clock, not as a duration
-    (which a call that reached Redis late pushed that much later). The clock is the event
-    loop's (both are ``time.monotonic``).
+    spent a second time locally. The other way round, :meth:`busy_until` tells Redis until
+    when this process sees the bucket busy, once Redis is back, for the domains it took tokens
+    of locally or saw busy when Redis failed (it may have lost them), until a reply shows Redis
+    was told (:meth:`told`). Only those: while Redis answers, it knows better than this view,
+    which keeps the latest time it saw of each bucket (Redis's may go back: moments given back
+    or voided, a limit raised live on another scope's bucket, whose time this view guesses).
+    The moment is sent by Redis's clock, not as a duration, which a call that reached Redis
+    late (after a cluster's failover, the new primary's clock read first; a busy process)
+    pushed that much later. The clock is the event loop's (both are ``time.monotonic``).
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._full_at: dict[str, float] = {}  # GCRA's "theoretical arrival time"
+        # The domains this process took tokens of locally and has not told Redis of since, by
+        # the number of their last local take (a take after a call was sent is told by the next).
+        self._untold: dict[str, int] = {}
+        self._takes = 0
         self._prune_size = LOCAL_PRUNE_SIZE
 
     def __len__(self) -> int:
@@ -205,12 +210,38 @@ class LocalBuckets:
         """Redis emptied *domain*'s bucket (a limit changed, the moments reserved are void):
         what this process saw of it must not be sent back as :meth:`busy_until`."""
         self._full_at.pop(domain, None)
+        self._untold.pop(domain, None)
 
     def busy_until(self, domain: str) -> float:
-        """When this process sees *domain*'s bucket full again (clock time), if later than now;
-        else 0."""
+        """Until when (clock time) the tokens this process took of *domain* locally, not told
+        to Redis yet, keep its bucket busy (0: none, or not later than now)."""
         full_at = self._full_at.get(domain, 0.0)
-        return full_at if full_at > self._clock() else 0.0
+        if domain not in self._untold or full_at <= self._clock():
+            return 0.0
+        return full_at
+
+    def tell_again(self) -> None:
+        """Redis failed: once it is back, every bucket still busy is told again, as if its tokens
+        were taken locally. It may have lost them (restarted empty; a replica that had not
+        caught up took over), and requests hold moments reserved there."""
+        now = self._clock()
+        for domain, full_at in self._full_at.items():
+            if full_at > now:
+                self._takes += 1
+                self._untold[domain] = self._takes
+
+    def untold(self, domains: Iterable[str]) -> dict[str, int]:
+        """Which of *domains* have tokens taken locally to tell Redis of, as :meth:`told`
+        takes them back once a call that told it was answered."""
+        return {domain: self._untold[domain] for domain in domains if domain in self._untold}
+
+    def told(self, untold: Mapping[str, int]) -> None:
+        """Redis took tokens for a call sent with *untold*'s :meth:`busy_until`, which it wrote
+        with them: what was taken locally before is known there (what was taken since is told
+        by the next call)."""
+        for domain, take in untold.items():
+            if self._untold.get(domain) == take:
+                del self._untold[domain]
 
     def acquire(
         self,
@@ -245,6 +276,8 @@ class LocalBuckets:
             )
         for name, each_full_at, each_interval, _ in budgets:
             self._full_at[name] = max(each_full_at, now + wait) + cost * each_interval
+            self._takes += 1
+            self._untold[name] = self._takes
         self._prune(now)
         new_full_at = self._full_at[domain]
         return AcquireResult(
@@ -259,6 +292,9 @@ class LocalBuckets:
         if len(self._full_at) <= self._prune_size:
             return
         self._full_at = {domain: at for domain, at in self._full_at.items() if at > now}
+        self._untold = {
+            domain: take for domain, take in self._untold.items() if domain in self._full_at
+        }
         self._prune_size = max(LOCAL_PRUNE_SIZE, 2 * len(self._full_at))
 
 
@@ -394,6 +430,7 @@ class ResilientBucket:
         others: Sequence[tuple[str, Limit]],
     ) -> AcquireResult | None:
         openings = self._openings
+        untold = self.local.untold([domain, *(name for name, _ in others)])
         try:
             result = await self._guarded(
                 domain,
@@ -411,6 +448,10 @@ class ResilientBucket:
             return None
         if result is None:
             return None
+        if result.allowed or result.reserved:
+            # Only a call that takes tokens writes the buckets (busy_until with them): after a
+            # refusal or a pause, what was taken locally is still to tell.
+            self.local.told(untold)
         self.local.follow(domain, result, others, cost)
         if openings != self._openings and self._config.on_redis_error == FALLBACK_LOCAL:
             # Redis answered a call sent before it failed: its moment was chosen without what
@@ -526,6 +567,7 @@ class ResilientBucket:
         if not self.breaker.failed():
             return
         self._openings += 1
+        self.local.tell_again()
         self._went_down(exc)
         self._prober = asyncio.ensure_future(self._probe_until_back())
 

@@ -20,8 +20,9 @@ from scrapy_redis_throttle.activity import REPORTS_KEPT, Activity
 from scrapy_redis_throttle.bucket import AcquireResult
 from scrapy_redis_throttle.config import DEFAULT_KEY_PREFIX, ThrottleConfig
 from scrapy_redis_throttle.connection import connect_url
+from scrapy_redis_throttle.control import LiveControl
 from scrapy_redis_throttle.rates import Limit
-from scrapy_redis_throttle.redis_schema import bucket_key, fleet_key
+from scrapy_redis_throttle.redis_schema import fleet_key
 from scrapy_redis_throttle.resilience import CircuitBreaker, LocalBuckets, ResilientBucket
 
 
@@ -99,24 +100,42 @@ def test_local_buckets_start_where_the_shared_bucket_was() -> None:
     assert result.retry_after == pytest.approx(1.0), "after the tokens Redis already gave out"
 
 
-def test_redis_is_told_when_this_process_sees_each_bucket_full_again() -> None:
-    """busy_until: Redis's own moments, followed from its replies, and the tokens taken
-    locally after them; nothing once the bucket is full again, or Redis emptied it."""
+def test_only_tokens_taken_locally_are_told_to_redis_once() -> None:
+    """busy_until is what this process took while Redis failed: Redis's own view, followed from
+    its replies, is not sent back to it (its time may go back: moments given back, voided);
+    tokens taken locally are told until a reply shows a call told them, and one taken after
+    that call was sent is told by the next; after a failure of Redis, every busy bucket."""
     clock = Clock()
     local = LocalBuckets(clock=clock)
     limit = Limit(10, 1, "10/s")
     shared = AcquireResult(allowed=True, reserved=False, tokens_left=0, retry_after=0,
                            reset_after=1.0)  # fmt: skip
     local.follow("a.example", shared)
-    assert local.busy_until("a.example") == pytest.approx(clock.now + 1.0), "Redis's own view"
+    assert local.busy_until("a.example") == 0, "Redis's own view"
     local.acquire("a.example", limit, 1, reserve=5, workers=1)
-    assert local.busy_until("a.example") == pytest.approx(clock.now + 1.1), "and a local take"
-    assert local.busy_until("b.example") == 0
-    clock.now += 1.1
-    assert local.busy_until("a.example") == 0, "full again"
+    assert local.busy_until("a.example") == pytest.approx(clock.now + 1.1), (
+        "after what Redis gave out"
+    )
+    sent = local.untold(["a.example", "b.example"])
+    assert sent.keys() == {"a.example"}
+    local.acquire("a.example", limit, 1, reserve=5, workers=1)  # while the call was under way
+    local.told(sent)
+    assert local.busy_until("a.example") == pytest.approx(clock.now + 1.2), (
+        "the later take still to tell"
+    )
+    local.told(local.untold(["a.example"]))
+    assert local.busy_until("a.example") == 0
     local.acquire("a.example", limit, 1, reserve=5, workers=1)
     local.forget("a.example")
     assert local.busy_until("a.example") == 0
+    # Redis failed: what was seen busy in it is told again (it may have lost it); not a bucket
+    # full again by then.
+    local.follow("b.example", shared)
+    clock.now += 0.5
+    local.tell_again()
+    assert local.busy_until("a.example") == 0
+    assert local.busy_until("b.example") == pytest.approx(clock.now + 0.5)
+    assert local.busy_until("c.example") == 0
 
 
 @contextlib.asynccontextmanager
@@ -191,19 +210,22 @@ async def test_moments_reserved_before_redis_restarted_empty_are_told_again(
 
 
 @async_test
-async def test_moments_redis_lost_without_an_error_are_told_again(own_redis: RedisServer) -> None:
-    """A bucket lost while Redis answers (deleted here; a Cluster's forced failover to a replica
-    that had not caught up) is no outage: the next call tells Redis its moments all the same."""
-    limit = Limit(1, 1, "1/s")
+async def test_what_redis_knows_better_is_not_told_back(own_redis: RedisServer) -> None:
+    """While Redis answers, this worker's view of the buckets is not sent back to them: a proxy
+    set live to 1000/s (configured 10/s) paces at 1000/s, although this worker guesses its
+    bucket's time at the configured rate (sent back, that guess held the proxy to 10/s: a
+    second every 10 requests)."""
+    proxy, domain = "proxy.example:8080", "shop.example"
+    configured, fast = Limit(10, 1, "10/s"), Limit(10000, 100, "10000/s")
+    with own_redis.client() as client:
+        LiveControl(client, DEFAULT_KEY_PREFIX).set(proxy, 1000, 1)
     async with own_budget(own_redis) as budget:
-        for _ in range(6):  # moments until 5 s from now
-            await budget.acquire("a.example", limit, 1)
-        with own_redis.client() as admin:
-            assert admin.delete(bucket_key(DEFAULT_KEY_PREFIX, "a.example")) == 1
-        result = (await budget.acquire("a.example", limit, 1)).result
-        assert budget.breaker.open_for() is None
-    assert result.reserved, result
-    assert 3 < result.retry_after <= 6, result
+        moments = []
+        for _ in range(30):
+            grant = await budget.acquire(domain, fast, 1, others=[(proxy, configured)])
+            assert grant.result.moment_us is not None, grant
+            moments.append(grant.result.moment_us)
+    assert moments[-1] - moments[0] < 100_000, "29 steps of 1 ms (and the calls' own time)"
 
 
 def test_local_buckets_forget_full_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
