@@ -213,8 +213,9 @@ class LocalBuckets:
         self._untold.pop(domain, None)
 
     def busy_until(self, domain: str) -> float:
-        """Until when (clock time) the tokens this process took of *domain* locally, not told
-        to Redis yet, keep its bucket busy (0: none, or not later than now)."""
+        """Until when (clock time) the tokens this process took of *domain* locally, or saw
+        reserved when Redis failed, not told to Redis yet, keep its bucket busy (0: none, or
+        not later than now)."""
         full_at = self._full_at.get(domain, 0.0)
         if domain not in self._untold or full_at <= self._clock():
             return 0.0
@@ -231,8 +232,8 @@ class LocalBuckets:
                 self._untold[domain] = self._takes
 
     def untold(self, domains: Iterable[str]) -> dict[str, int]:
-        """Which of *domains* have tokens taken locally to tell Redis of, as :meth:`told`
-        takes them back once a call that told it was answered."""
+        """Which of *domains* have a :meth:`busy_until` to tell Redis of, as :meth:`told` takes
+        them back once a call that told it was answered."""
         return {domain: self._untold[domain] for domain in domains if domain in self._untold}
 
     def told(self, untold: Mapping[str, int]) -> None:
