@@ -4,6 +4,7 @@ scrapy-redis's own, or a Sentinel-managed primary, or a Redis Cluster."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -184,11 +185,15 @@ def test_a_killed_worker_does_not_stop_the_others_from_keeping_the_limit(
         assert_released_paced(
             releases, site.arrivals(each), each_limit.rate, each_limit.burst, each
         )
-    after = [a.wall_time for a in site.arrivals(host) if a.wall_time > resumed_at]
-    # A slot a busy worker missed is lost, for politeness (seen: 3.53/s with two test suites
-    # side by side on 2 cores).
-    missed = missed_moments(fleet_run.releases(since=resumed_at), host)
+    # Judged by the releases, as the pace above (an arrival comes later by its connection's
+    # time: in CI, the arrivals made 3.54/s with no moment missed). A slot a busy worker missed
+    # is lost, for politeness (seen: 3.53/s with two test suites side by side on 2 cores).
+    since = fleet_run.releases(since=resumed_at)
+    after = released(since, host)
+    missed = missed_moments(since, host)
     achieved = achieved_rate(after, limit.burst, missed)
+    gaps = sorted(later - earlier for earlier, later in itertools.pairwise(after))
     assert achieved >= 0.9 * limit.rate, (
-        f"after the kill: {achieved:.2f}/s with {missed} missed moments, limit {limit}"
+        f"after the kill: {achieved:.2f}/s with {missed} missed moments, limit {limit}; "
+        f"{len(after)} releases, longest gaps {[round(gap, 3) for gap in gaps[-3:]]}"
     )
