@@ -172,7 +172,7 @@ def _other_args(limit: Limit) -> tuple[bytes, bytes]:
 def _moment_us(clock: ServerClock, moment: float) -> int:
     """*moment* (loop time; 0: none) by *clock*, as the script takes it (0: none, or the clock is
     unknown: the next call tells it). To the nearest µs, so that a moment of a reply comes back
-    as Redis gave it (rounded up, each call would push the bucket 1 µs later)."""
+    as Redis gave it (rounded up, each telling would push the bucket 1 µs later)."""
     if moment <= 0:
         return 0
     moment_us = clock.moment_us(moment)
