@@ -46,6 +46,7 @@ from scrapy.settings import Settings  # noqa: E402
 from scrapy.statscollectors import MemoryStatsCollector  # noqa: E402
 from scrapy.utils.test import get_crawler  # noqa: E402
 
+from scrapy_redis_throttle.clock import Clock  # noqa: E402
 from scrapy_redis_throttle.config import ThrottleConfig  # noqa: E402
 from scrapy_redis_throttle.connection import connect_url  # noqa: E402
 from scrapy_redis_throttle.rates import MAX_SLIDING_COUNT, Limit  # noqa: E402
@@ -141,7 +142,9 @@ async def ours(
     )
     config = ThrottleConfig.from_settings(settings)
     client = connect_url(url, config.redis_params, CONCURRENT_CALLERS)
-    bucket = ResilientBucket(client, config, MemoryStatsCollector(get_crawler()), lambda: {})
+    bucket = ResilientBucket(
+        client, config, MemoryStatsCollector(get_crawler()), lambda: {}, Clock()
+    )
     limit = config.limits.lookup("any")
     assert limit is not None
 

@@ -42,6 +42,7 @@ from scrapy.settings import Settings  # noqa: E402
 from scrapy.statscollectors import MemoryStatsCollector  # noqa: E402
 from scrapy.utils.test import get_crawler  # noqa: E402
 
+from scrapy_redis_throttle.clock import Clock  # noqa: E402
 from scrapy_redis_throttle.config import ThrottleConfig  # noqa: E402
 from scrapy_redis_throttle.connection import close, connect  # noqa: E402
 from scrapy_redis_throttle.rates import Limit  # noqa: E402
@@ -75,7 +76,7 @@ class Worker:
         config = ThrottleConfig.from_settings(Settings(settings))
         self._client = connect(config)
         self.bucket = ResilientBucket(
-            self._client, config, MemoryStatsCollector(get_crawler()), dict
+            self._client, config, MemoryStatsCollector(get_crawler()), dict, Clock()
         )
 
     async def stop(self) -> None:

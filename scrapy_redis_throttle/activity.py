@@ -20,7 +20,6 @@ import logging
 import math
 import os
 import socket
-import time
 import uuid
 from collections import Counter, defaultdict, deque
 from contextlib import contextmanager
@@ -39,7 +38,6 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .config import STATS_PREFIX
 from .redis_schema import fleet_key, parked_counts_key, report_key
-from .resilience import sleep
 from .scripts import lua_script
 from .tasks import cancel_and_wait
 
@@ -48,6 +46,7 @@ if TYPE_CHECKING:
 
     from scrapy.statscollectors import StatsCollector
 
+    from .clock import Clock
     from .connection import ThrottleRedis
 
 logger = logging.getLogger(__name__)
@@ -89,8 +88,10 @@ class Activity:
         interval: float,
         stats: StatsCollector,
         log_extra: Callable[[], dict[str, Any]],
+        clock: Clock,
     ) -> None:
         self._redis = redis
+        self._clock = clock
         self._interval = interval
         self._stats = stats
         self._worker = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -122,7 +123,7 @@ class Activity:
     def went(self, domain: str) -> None:
         """A request of *domain* left for the download."""
         if self._interval:
-            now = time.monotonic()
+            now = self._clock.monotonic()
             times = self._went[domain]
             times.append(now)
             _forget_before(times, now - RECENT)
@@ -148,7 +149,7 @@ class Activity:
 
     def report(self) -> dict[str, list[int]]:
         """Per domain with any activity: [requests in the last minute, held now]."""
-        since = time.monotonic() - RECENT
+        since = self._clock.monotonic() - RECENT
         for domain, times in list(self._went.items()):
             _forget_before(times, since)
             if not times:
@@ -201,7 +202,7 @@ class Activity:
                 self._sizes.clear()
             return
         self._fleet_refused = False
-        now = time.monotonic()
+        now = self._clock.monotonic()
         self._sizes.append((now, size))
         # A count is forgotten once the counts after it cover a worker's time in the fleet: by
         # then every live worker has counted itself in again, even in a Redis restarted empty.
@@ -220,7 +221,7 @@ class Activity:
                 report = json.dumps(self.report())
                 await self._call(self._redis.set(self._report_key, report, px=expiry))
                 await self._send_parked()
-            await sleep(min(delay, self._period))
+            await self._clock.sleep(min(delay, self._period))
             delay *= 2
             await self._count_in()
 

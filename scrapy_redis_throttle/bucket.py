@@ -323,7 +323,7 @@ class TokenBucket:
             )
         return parse_reply(reply, limit, clock.decided_at(sent, read, reply[3]))
 
-    def clock(self, domain: str) -> ServerClock:
+    def server_clock(self, domain: str) -> ServerClock:
         """Redis's clock as *domain*'s bucket sees it. On a Redis Cluster, that of the primary
         that serves the bucket's slot, as the cluster last said: each node has its own clock,
         and a moment one gave is read by its clock alone (a reply from another node, the slot

@@ -12,6 +12,7 @@ from scrapy import Request
 from scrapy.resolver import dnscache
 from scrapy.utils.defer import maybe_deferred_to_future
 from scrapy.utils.httpobj import urlparse_cached
+from scrapy.utils.reactor import is_reactor_installed
 from twisted.internet.defer import Deferred
 
 from .config import STATS_PREFIX
@@ -246,7 +247,14 @@ class _Receiver:
 
 
 async def _resolve(host: str) -> str | None:
-    """The first address the reactor's resolver finds for *host* (None: none, or it failed)."""
+    """The first address the reactor's resolver finds for *host*, or the event loop's without a
+    reactor (None: none, or it failed)."""
+    if not is_reactor_installed():
+        try:
+            found: object = (await asyncio.get_running_loop().getaddrinfo(host, None))[0][4][0]
+        except (OSError, IndexError, UnicodeError):  # an unresolvable name: its download fails
+            return None
+        return found if isinstance(found, str) and found else None
     from twisted.internet import reactor
 
     receiver = _Receiver()

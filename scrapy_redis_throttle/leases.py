@@ -40,6 +40,8 @@ if TYPE_CHECKING:
     from scrapy import Request
     from scrapy.statscollectors import StatsCollector
 
+    from .clock import Clock
+
 logger = logging.getLogger(__name__)
 
 LEASE_META = "_redis_throttle_lease"
@@ -73,7 +75,9 @@ class Leases:
         parking_key: str,
         stats: StatsCollector,
         ttl: float,
+        clock: Clock,
     ) -> None:
+        self._clock = clock
         self.worker = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.key = leases_key(queue.key, self.worker)
         self.lessees = lessees_key(queue.key)
@@ -172,7 +176,7 @@ class Leases:
                         exc,
                         self._ttl,
                     )
-            await asyncio.sleep(RENEW_INTERVAL)
+            await self._clock.sleep(RENEW_INTERVAL)
             since_recovery += RENEW_INTERVAL
 
     async def _flush(self, ttl_us: int | None = None) -> int:

@@ -9,7 +9,6 @@ in ``docs/reference/meta.rst``.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 from dataclasses import replace
@@ -23,6 +22,7 @@ from twisted.internet.error import TCPTimedOutError
 from twisted.internet.error import TimeoutError as TwistedTimeoutError
 
 from .activity import Activity
+from .clock import Clock
 from .config import STATS_PREFIX, ThrottleConfig
 from .connection import close, connect
 from .crawl_delay import CrawlDelays
@@ -64,12 +64,14 @@ class RedisThrottleMiddleware:
         self.config = ThrottleConfig.from_crawler(crawler)
         if not is_asyncio_available():
             raise ThrottleConfigError(
-                "scrapy-redis-throttle needs the asyncio reactor: set TWISTED_REACTOR = "
+                "scrapy-redis-throttle needs the asyncio reactor, or none (TWISTED_REACTOR_ENABLED "
+                "= False, Scrapy 2.15+): set TWISTED_REACTOR = "
                 "'twisted.internet.asyncioreactor.AsyncioSelectorReactor' (Scrapy's default), "
                 f"got {self.config.crawl.twisted_reactor!r}"
             )
         self.crawler = crawler
         self.stats = crawler.stats
+        self.clock = Clock()
         self.redis = connect(self.config)
         self.activity = Activity(
             self.redis,
@@ -77,12 +79,14 @@ class RedisThrottleMiddleware:
             self.config.report_interval,
             crawler.stats,
             self._log_extra,
+            self.clock,
         )
         self.budget = ResilientBucket(
             self.redis,
             self.config,
             crawler.stats,
             self._log_extra,
+            self.clock,
             fleet_size=lambda: self.activity.fleet_size,
         )
         self.parking: ParkingArea | None = None
@@ -108,9 +112,16 @@ class RedisThrottleMiddleware:
             release_parked=self._release_parked,
             # No pause is longer, nor any moment further ahead.
             longest=max(self.config.backoff.longest, self.config.max_reserve),
+            clock=self.clock,
         )
         self.turns = Turns(
-            self.config, self.budget, self.pauses, self.activity, crawler.stats, self._log_extra
+            self.config,
+            self.budget,
+            self.pauses,
+            self.activity,
+            crawler.stats,
+            self._log_extra,
+            self.clock,
         )
         crawler.signals.connect(self._spider_opened, signal=signals.spider_opened)
         crawler.signals.connect(self._spider_closed, signal=signals.spider_closed)
@@ -157,6 +168,7 @@ class RedisThrottleMiddleware:
                 self.config,
                 scheduler,
                 self.rejections,
+                self.clock,
                 self.budget.unreserve,
                 self.budget.seals,
             )
@@ -299,7 +311,7 @@ class RedisThrottleMiddleware:
         self, request: Request, domain: str, limit: Limit, cause: str, hold: float = 0
     ) -> None:
         """Lower *domain*'s adaptive rate for the fleet after a failure of *request*."""
-        now = asyncio.get_running_loop().time()
+        now = self.clock.monotonic()
         sent_at = request.meta.get(SENT_META, now)
         slowdown = await self.budget.slow_down(domain, limit, max(0.0, now - sent_at), hold)
         if slowdown is None or not slowdown.lowered:

@@ -33,10 +33,8 @@ import itertools
 import json
 import logging
 import math
-import time
 import uuid
 from collections import deque
-from contextlib import suppress
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 from weakref import WeakKeyDictionary, WeakSet
@@ -48,6 +46,7 @@ from scrapy.utils.defer import deferred_from_coro, maybe_deferred_to_future
 from scrapy_redis.scheduler import Scheduler as ScrapyRedisScheduler
 
 from .bucket import Reservation, Unreserved
+from .clock import sleep_or_wake
 from .config import STATS_PREFIX
 from .connection import connect_url
 from .errors import ThrottleConfigError
@@ -74,6 +73,7 @@ if TYPE_CHECKING:
     from scrapy.crawler import Crawler
     from twisted.internet.defer import Deferred
 
+    from .clock import Clock
     from .config import ThrottleConfig
     from .rejections import Rejections
 
@@ -178,10 +178,12 @@ class Ticket:
         ]
 
     @classmethod
-    def from_wire(cls, value: object, domain: str, due: float, sealed: bool = False) -> Ticket:
-        """The ticket of a request of *domain* read back from Redis, due at *due*; reserved only
-        if *sealed* (its seal is the fleet's); anything unexpected counts as no reservation
-        (the request asks again)."""
+    def from_wire(
+        cls, value: object, domain: str, due: float, now: float, sealed: bool = False
+    ) -> Ticket:
+        """The ticket of a request of *domain* read back from Redis at *now* (wall time), due at
+        *due*; reserved only if *sealed* (its seal is the fleet's); anything unexpected counts
+        as no reservation (the request asks again, its wait counted from *now*)."""
         if (
             isinstance(value, list)
             # (6: parked by an earlier version, unsealed; 8: sealed, see RedisParking.park)
@@ -206,7 +208,6 @@ class Ticket:
                 None if moment_us is None else float(moment_us),
                 _reservation(value[6]) if reserved and len(value) == 8 else None,
             )
-        now = time.time()
         return cls(domain, due, False, False, now, now, elsewhere=True)
 
 
@@ -308,7 +309,8 @@ class MemoryParking:
 
     poll_interval: float | None = None
 
-    def __init__(self, keep_into: Callable[[Request], object] | None) -> None:
+    def __init__(self, keep_into: Callable[[Request], object] | None, clock: Clock) -> None:
+        self._clock = clock
         self._heap: list[_Entry] = []
         self._order = itertools.count()
         # The entries whose moments are reserved, by domain: what a voiding may reach.
@@ -326,7 +328,7 @@ class MemoryParking:
             self._reserved.setdefault(ticket.domain, {})[entry[1]] = entry
 
     async def unpark(self, ahead: float, limit: int) -> tuple[list[Parked], float | None]:
-        now = asyncio.get_running_loop().time()
+        now = self._clock.monotonic()
         due: list[Parked] = []
         while self._heap and len(due) < limit and self._heap[0][0] <= now + ahead:
             _, order, request, ticket = heapq.heappop(self._heap)
@@ -342,7 +344,7 @@ class MemoryParking:
         }
         if not void:
             return 0
-        now = asyncio.get_running_loop().time()
+        now = self._clock.monotonic()
         kept = []
         for entry in self._heap:
             _, order, request, ticket = entry
@@ -384,9 +386,11 @@ class RedisParking:
         key: str,
         spider: Spider,
         rejections: Rejections,
+        clock: Clock,
         leases: Leases | None = None,
         seals: Seals | None = None,
     ) -> None:
+        self._clock = clock
         self.key = key
         self.index_key = moments_key(key)
         self.parked = 0
@@ -399,7 +403,7 @@ class RedisParking:
         self._park_script = lua_script(redis, "park.lua")
         self._unpark_script = lua_script(redis, "unpark.lua")
         self._void_script = lua_script(redis, "void_parked.lua")
-        self._clock = ServerClock()  # scrapy-redis's Redis's, not the throttle's
+        self._server_clock = ServerClock()  # scrapy-redis's Redis's, not the throttle's
 
     async def park(self, request: Request, ticket: Ticket) -> None:
         meta = {name: value for name, value in request.meta.items() if name != LEASE_META}
@@ -410,10 +414,10 @@ class RedisParking:
         encoded = encode_request(wire, self._spider)  # Unparkable: before anything is done
         # The call may wait for the connection: its delay counts from Redis's time now (see
         # park.lua's ARGV[3]), not from when Redis runs it.
-        await self._clock.follow(self._redis.time)
-        now = asyncio.get_running_loop().time()
+        await self._server_clock.follow(self._redis.time)
+        now = self._clock.monotonic()
         delay = max(0.0, ticket.due - now)
-        asked = self._clock.server_us(now)
+        asked = self._server_clock.server_us(now)
         domain, reserved_at = _indexed_domain(ticket.domain), ticket.reserved_at * 1e6
         member = b"".join(
             (
@@ -450,7 +454,7 @@ class RedisParking:
                 )
                 return len(reply) > 3  # (with it, when it was taken out)
             except (RedisConnectionError, RedisTimeoutError):
-                await asyncio.sleep(delay)
+                await self._clock.sleep(delay)
                 delay *= 2
         logger.error(
             "Redis throttle: a request whose parking failed may also stay parked in %s and be "
@@ -460,19 +464,19 @@ class RedisParking:
         return False
 
     async def unpark(self, ahead: float, limit: int) -> tuple[list[Parked], float | None]:
-        await self._clock.follow(self._redis.time)
-        loop = asyncio.get_running_loop()
-        sent = loop.time()
+        await self._server_clock.follow(self._redis.time)
+        sent = self._clock.monotonic()
         keys, args = [self.key, self.index_key], [repr(ahead * 1e6), limit]
         if self.leases is not None:
             lease_keys, lease_args = self.leases.unpark_keys()
             keys, args = [*keys, *lease_keys], [*args, "", *lease_args]
         reply = await self._unpark_script(keys=keys, args=args)
-        read = loop.time()
+        read = self._clock.monotonic()
         self.parked = int(reply[0])
         next_due = float(reply[1])
         # The dues count from when Redis answered, not from when its reply was read.
-        now = self._clock.decided_at(sent, read, float(reply[2]))
+        now = self._server_clock.decided_at(sent, read, float(reply[2]))
+        read_at = self._clock.wall()
         due = []
         for member, due_in_ms in zip(reply[3::2], reply[4::2], strict=True):
             # Leased under its member's id (see unpark.lua).
@@ -495,7 +499,11 @@ class RedisParking:
                 continue
             wire = request.meta.pop(TICKET_META, None)
             ticket = Ticket.from_wire(
-                wire, domain, now + float(due_in_ms) / 1000, self._sealed(member, domain, wire)
+                wire,
+                domain,
+                now + float(due_in_ms) / 1000,
+                read_at,
+                self._sealed(member, domain, wire),
             )
             if flag == _ASKS_AGAIN:
                 ticket = replace(ticket, reserved=False)
@@ -510,7 +518,7 @@ class RedisParking:
             return 0  # never indexed (see park)
         # Parked by any worker of the fleet, whose clock may differ from this one's.
         reserved_before = b"%d" % max(0, int((heard + CLOCK_MARGIN) * 1e6))
-        until_us = repr(max(0.0, until - asyncio.get_running_loop().time()) * 1e6)
+        until_us = repr(max(0.0, until - self._clock.monotonic()) * 1e6)
         released, last = 0, b""
         while True:
             reply = await self._void_script(
@@ -562,7 +570,8 @@ class RedisParking:
         except Exception:  # (a ValueError, unless a bug: either way, none; dropped anyway)
             return None
         wire = request.meta.get(TICKET_META)
-        return _unused(Ticket.from_wire(wire, domain, 0.0, self._sealed(member, domain, wire)))
+        ticket = Ticket.from_wire(wire, domain, 0.0, 0.0, self._sealed(member, domain, wire))
+        return _unused(ticket)
 
     def _sealed(self, member: bytes, domain: str, wire: object) -> bool:
         """Whether a ticket read back from the set (*wire*, of *member*, for *domain*) bears the
@@ -621,8 +630,10 @@ class ParkingArea:
         store: ParkingStore,
         keep: bool,
         concurrency: int,
+        clock: Clock,
         unreserve: Unreserve | None = None,
     ) -> None:
+        self._clock = clock
         self.store = store
         # With scrapy-redis's queue: what this worker takes from Redis is leased.
         self.leases: Leases | None = getattr(store, "leases", None)
@@ -640,7 +651,7 @@ class ParkingArea:
         self._stopping = False
         self._parks_done = 0
         self._unparkable_logged = False
-        self._next_look = 0.0  # loop time of the release loop's next look, while it waits
+        self._next_look = 0.0  # monotonic time of the release loop's next look, while it waits
         self._unpark_failing = False
         self._void_failing = False
         # Voidings not yet passed on to the store: domain -> (heard, until).
@@ -794,14 +805,13 @@ class ParkingArea:
         return min(max(free, 0), RELEASE_BATCH)
 
     async def _release_loop(self) -> None:
-        # Stopped by a flag, not by cancelling: a cancellation can get lost inside wait_for().
+        # Stopped by a flag, not by cancelling: a cancellation can get lost.
         while not self._stopping:
             self._wake_up.clear()
             await self._release_voided()
             timeout = await self._release_due()
-            self._next_look = asyncio.get_running_loop().time() + timeout
-            with suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake_up.wait(), timeout)
+            self._next_look = self._clock.monotonic() + timeout
+            await sleep_or_wake(self._clock, timeout, self._wake_up.wait())
 
     async def _release_voided(self) -> None:
         # Those heard so far: the ones heard meanwhile wait for the next pass, after the due
@@ -895,7 +905,7 @@ class ParkingArea:
             request, ticket = self._ready.popleft()
             if (reservation := _unused(ticket)) is not None:
                 unused.append(reservation)
-            now = asyncio.get_running_loop().time()
+            now = self._clock.monotonic()
             again = replace(ticket, due=now, reserved=False, locally=False, reservation=None)
             try:
                 await self._park_leased(request, again, request.meta.pop(LEASE_META, None))
@@ -967,6 +977,7 @@ def attach(
     config: ThrottleConfig,
     scheduler: BaseScheduler,
     rejections: Rejections,
+    clock: Clock,
     unreserve: Unreserve | None = None,
     seals: Seals | None = None,
 ) -> ParkingArea:
@@ -990,8 +1001,8 @@ def attach(
             raise crawl.queue_redis
         url, params = crawl.queue_redis
         redis = connect_url(url, params, PARKING_CONNECTIONS)
-        leases = _leases(crawler, scheduler, redis, key, config.lease_ttl)
-        store = RedisParking(redis, key, spider, rejections, leases, seals)
+        leases = _leases(crawler, scheduler, redis, key, config.lease_ttl, clock)
+        store = RedisParking(redis, key, spider, rejections, clock, leases, seals)
         # Known from the start, so that the spider neither closes nor idles on a guess (read
         # synchronously, as scrapy-redis itself reads its queue's length at start).
         store.parked = int(scheduler.server.zcard(key))
@@ -1000,6 +1011,7 @@ def attach(
             store,
             keep=bool(scheduler.persist),
             concurrency=crawl.concurrent_requests,
+            clock=clock,
             unreserve=unreserve,
         )
     else:
@@ -1013,9 +1025,10 @@ def attach(
 
         area = ParkingArea(
             crawler,
-            MemoryParking(keep_into),
+            MemoryParking(keep_into, clock),
             keep=on_disk,
             concurrency=crawl.concurrent_requests,
+            clock=clock,
             unreserve=unreserve,
         )
     _wrap(scheduler, area)
@@ -1023,7 +1036,12 @@ def attach(
 
 
 def _leases(
-    crawler: Crawler, scheduler: ScrapyRedisScheduler, redis: Redis, parking: str, ttl: float
+    crawler: Crawler,
+    scheduler: ScrapyRedisScheduler,
+    redis: Redis,
+    parking: str,
+    ttl: float,
+    clock: Clock,
 ) -> Leases | None:
     """Leases on what this worker takes from scrapy-redis's queue and the parking set: its
     queue's ``pop`` and the engine's end of a request are wrapped on their instances."""
@@ -1037,7 +1055,7 @@ def _leases(
             type(queue).__name__,
         )
         return None
-    leases = Leases(scheduler.server, redis, queue, kind, parking, crawler.stats, ttl)
+    leases = Leases(scheduler.server, redis, queue, kind, parking, crawler.stats, ttl, clock)
     queue.pop = functools.partial(leases.pop, queue.pop)
     remove_request = slot.remove_request
 

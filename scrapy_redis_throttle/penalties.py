@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from contextlib import suppress
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
@@ -28,13 +27,10 @@ from typing import TYPE_CHECKING, Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from scrapy.utils.defer import maybe_deferred_to_future
-from twisted.internet.defer import CancelledError, Deferred
-from twisted.internet.task import deferLater
 
+from .clock import sleep_or_wake
 from .config import STATS_PREFIX
 from .connection import pubsub
-from .resilience import sleep
 from .tasks import cancel_and_wait
 
 if TYPE_CHECKING:
@@ -43,6 +39,7 @@ if TYPE_CHECKING:
     from scrapy.statscollectors import StatsCollector
 
     from .bucket import Voiding
+    from .clock import Clock
     from .connection import ThrottleRedis
 
 logger = logging.getLogger(__name__)
@@ -126,8 +123,10 @@ class Pauses:
         release_parked: Callable[[str, float, float], None],
         *,
         longest: float,
+        clock: Clock,
     ) -> None:
         self._redis = redis
+        self._clock = clock
         self._longest = longest
         self._forget = forget
         self._release_parked = release_parked
@@ -137,8 +136,9 @@ class Pauses:
         # domain -> (wall time it was heard of, loop time it ends) of each pause under way: a
         # reservation made before one of them, for a moment within it, is void.
         self._pauses: dict[str, list[tuple[float, float]]] = {}
-        # domain -> the waits of requests whose moment is reserved: loop time each one ends at
-        self._sleepers: dict[str, dict[Deferred[None], float]] = {}
+        # domain -> the waits of requests whose moment is reserved: what wakes each one early,
+        # and the monotonic time it ends at.
+        self._sleepers: dict[str, dict[asyncio.Future[None], float]] = {}
         self._listener: asyncio.Task[None] | None = None
         self._failing = False
         # Wall time since when this worker hears every message (None: it does not now).
@@ -167,7 +167,7 @@ class Pauses:
         back at once, and all must ask again. At most *longest* seconds: what another worker
         publishes, or Redis holds, is not trusted further."""
         seconds = min(seconds, self._longest)
-        heard, until = time.time() - age, asyncio.get_running_loop().time() + seconds
+        heard, until = self._clock.wall() - age, self._clock.monotonic() + seconds
         pauses = self._under_way(domain)
         if any(h >= heard - SAME_PAUSE and u >= until - SAME_PAUSE for h, u in pauses):
             return
@@ -180,14 +180,14 @@ class Pauses:
         for each in list(islice(self._pauses, SWEEP_STEP)):
             self._under_way(each)  # forgotten if ended, else to the back of the line
         self._forget(domain)
-        for sleeper, wake_at in list(self._sleepers.get(domain, {}).items()):
-            if wake_at <= until:
-                sleeper.cancel()
+        for wake, wake_at in self._sleepers.get(domain, {}).items():
+            if wake_at <= until and not wake.done():
+                wake.set_result(None)
         self._release_parked(domain, heard, until)
 
     def knows_voidings(self, domain: str, reserved_at: float, elsewhere: bool) -> bool:
         """Whether this worker knows every voiding of *domain*'s moments since *reserved_at*
-        (wall time, as :func:`time.time`; *elsewhere*: in another process, whose clock may
+        (wall time; *elsewhere*: in another process, whose clock may
         differ by up to :data:`CLOCK_MARGIN`): it heard every one published since, or it read
         the last one from Redis (:meth:`read`) while listening, and heard those after. Else a
         request that reserved its moment then must read it before it goes."""
@@ -213,9 +213,9 @@ class Pauses:
     def voided(
         self, domain: str, reserved_at: float, moment: float, elsewhere: bool = False
     ) -> bool:
-        """Whether a moment (loop time) reserved for *domain* at *reserved_at* (wall time, as
-        :func:`time.time`; *elsewhere*: in another process, a parked request, whose clock may
-        differ from this one's by up to :data:`CLOCK_MARGIN`) is void."""
+        """Whether a moment (monotonic time) reserved for *domain* at *reserved_at* (wall
+        time; *elsewhere*: in another process, a parked request, whose clock may differ from
+        this one's by up to :data:`CLOCK_MARGIN`) is void."""
         margin = CLOCK_MARGIN if elsewhere else 0.0
         return any(
             heard + margin > reserved_at and moment <= until
@@ -225,30 +225,26 @@ class Pauses:
     def paused_for(self, domain: str) -> float:
         """Seconds until *domain*'s pauses end (0: none), for a worker that paces alone."""
         ends = [until for _, until in self._under_way(domain)]
-        return max(ends) - asyncio.get_running_loop().time() if ends else 0.0
+        return max(ends) - self._clock.monotonic() if ends else 0.0
 
     def _under_way(self, domain: str) -> list[tuple[float, float]]:
         """*domain*'s pauses that have not ended (the others are forgotten)."""
-        now = asyncio.get_running_loop().time()
+        now = self._clock.monotonic()
         pauses = [pause for pause in self._pauses.pop(domain, ()) if pause[1] > now]
         if pauses:
             self._pauses[domain] = pauses
         return pauses
 
     async def sleep(self, domain: str, seconds: float) -> None:
-        """Wait *seconds* (Twisted's ``deferLater``, as :func:`.resilience.sleep`) for a moment
-        reserved for *domain*; a pause of *domain* that covers the moment ends the wait early."""
-        from twisted.internet import reactor  # see resilience.sleep
-
-        sleeper = deferLater(reactor, max(seconds, 0.0), lambda: None)
+        """Wait *seconds* (the clock's sleep) for a moment reserved for *domain*; a pause of
+        *domain* that covers the moment ends the wait early."""
+        wake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         sleepers = self._sleepers.setdefault(domain, {})
-        sleepers[sleeper] = asyncio.get_running_loop().time() + seconds
+        sleepers[wake] = self._clock.monotonic() + seconds
         try:
-            await maybe_deferred_to_future(sleeper)
-        except CancelledError:
-            pass  # woken by a pause: the caller asks again
+            await sleep_or_wake(self._clock, seconds, wake)
         finally:
-            del sleepers[sleeper]
+            del sleepers[wake]
             if not sleepers:
                 del self._sleepers[domain]
 
@@ -266,7 +262,7 @@ class Pauses:
                         if message["type"] == "subscribe":
                             # Every message published from now on reaches this worker: Redis
                             # confirms a subscription once it is in force.
-                            self._listening_since = subscribed_at = time.time()
+                            self._listening_since = subscribed_at = self._clock.wall()
                             self._read_at.clear()  # read before: not valid any more
                             self._subscribed.set()
                             self._failing = False
@@ -277,9 +273,9 @@ class Pauses:
                 self._listen_failed(exc)
                 # Doubled while it fails again soon after subscribing: a failure that comes
                 # back at once costs a subscription (and a WARNING) at most every 30 s.
-                if subscribed_at is not None and time.time() - subscribed_at > delay:
+                if subscribed_at is not None and self._clock.wall() - subscribed_at > delay:
                     delay = RESUBSCRIBE_DELAY
-                await sleep(delay)
+                await self._clock.sleep(delay)
                 if not isinstance(exc, (RedisError, OSError)):
                     delay = min(2 * delay, MAX_RESUBSCRIBE_DELAY)
 

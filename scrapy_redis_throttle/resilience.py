@@ -30,13 +30,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from redis.exceptions import RedisError, ResponseError
-from scrapy.utils.defer import maybe_deferred_to_future
-from twisted.internet.task import deferLater
 
 from .across_nodes import CallsStopped
 from .bucket import AcquireResult, TokenBucket
@@ -52,6 +49,7 @@ if TYPE_CHECKING:
     from scrapy.statscollectors import StatsCollector
 
     from .bucket import Penalty, Reservation, SlowDown, Unreserved, Voiding
+    from .clock import Clock
     from .config import ThrottleConfig
     from .connection import ThrottleRedis
     from .rates import Limit
@@ -86,15 +84,6 @@ def _later(seconds: float) -> AcquireResult:
     return AcquireResult(False, False, 0.0, seconds, 0.0, paused=True)
 
 
-async def sleep(seconds: float) -> None:
-    """Wait without blocking the reactor (Twisted's ``deferLater``)."""
-    # Imported here: importing it at module level would install the default reactor before
-    # Scrapy installs the one of TWISTED_REACTOR.
-    from twisted.internet import reactor
-
-    await maybe_deferred_to_future(deferLater(reactor, max(seconds, 0.0), lambda: None))
-
-
 class CircuitBreaker:
     """Whether Redis is usable. Closed: requests call it. Open (after a failure): requests do not;
     a probe tries it after a delay that doubles from *first_delay* up to *max_delay*."""
@@ -103,7 +92,7 @@ class CircuitBreaker:
         self,
         first_delay: float,
         max_delay: float,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float],
     ) -> None:
         self._first_delay = min(first_delay, max_delay)
         self._max_delay = max_delay
@@ -152,23 +141,22 @@ class CircuitBreaker:
 
 class LocalBuckets:
     """Per-domain buckets in this process, for the ``"local"`` policy: the same algorithm as
-    ``token_bucket.lua`` (GCRA), on the monotonic clock, at the rate and the burst divided by
-    the fleet's size (the *workers* passed to :meth:`acquire`).
+    ``token_bucket.lua`` (GCRA), on *clock* (monotonic time), at the rate and the burst divided
+    by the fleet's size (the *workers* passed to :meth:`acquire`).
 
     While Redis answers, :meth:`follow` records when each domain's shared bucket is full again;
     a fallback starts from there, so that tokens reserved in Redis before the outage are not
-    spent a second time locally. The other way round, :meth:`busy_until` tells Redis until
-    when this process sees the bucket busy, once Redis is back, for the domains it took tokens
-    of locally or saw busy when Redis failed (it may have lost them), until a reply shows Redis
-    was told (:meth:`told`). Only those: while Redis answers, it knows better than this view,
-    which keeps the latest time it saw of each bucket (Redis's may go back: moments given back
-    or voided, a limit raised live on another scope's bucket, whose time this view guesses).
-    The moment is sent by Redis's clock, not as a duration, which a call that reached Redis
-    late (after a cluster's failover, the new primary's clock read first; a busy process)
-    pushed that much later. The clock is the event loop's (both are ``time.monotonic``).
+    spent a second time locally. Once Redis is back, :meth:`busy_until` tells it until when this
+    process sees a bucket busy, for the domains it took tokens of locally or saw busy when Redis
+    failed (Redis may have lost them), until a call that took tokens was answered
+    (:meth:`told`). Only those: while Redis answers, it knows better than this view, which keeps
+    the latest time seen of each bucket (Redis's may go back: moments given back or voided, a
+    limit raised live on another scope's bucket, whose time this view guesses). The caller sends
+    that time by Redis's clock, not as a duration, so that a call that reaches Redis late does
+    not push the bucket later.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._full_at: dict[str, float] = {}  # GCRA's "theoretical arrival time"
         # The domains this process took tokens of locally and has not told Redis of since, by
@@ -320,9 +308,11 @@ class ResilientBucket:
         config: ThrottleConfig,
         stats: StatsCollector,
         log_extra: Callable[[], dict[str, Any]],
+        clock: Clock,
         fleet_size: Callable[[], int | None] = lambda: None,
     ) -> None:
         self._redis = redis
+        self._clock = clock
         self._bucket = TokenBucket(
             redis,
             config.key_prefix,
@@ -333,16 +323,16 @@ class ResilientBucket:
         self._stats = stats
         self._log_extra = log_extra
         self._rejections = Rejections(stats, log_extra)
-        self.breaker = CircuitBreaker(FIRST_PROBE_DELAY, config.probe_interval)
-        self.local = LocalBuckets()
+        self.breaker = CircuitBreaker(FIRST_PROBE_DELAY, config.probe_interval, clock.monotonic)
+        self.local = LocalBuckets(clock.monotonic)
         self._fleet_size = fleet_size
         self._prober: asyncio.Task[None] | None = None
         self._openings = 0
-        # Until then (monotonic clock), after an outage, requests also keep to this worker's
+        # Until then (monotonic time), after an outage, requests also keep to this worker's
         # share, in buckets of their own: the other workers may still pace alone (see
         # _handover_wait).
         self._handover_until = 0.0
-        self._handover = LocalBuckets()
+        self._handover = LocalBuckets(clock.monotonic)
         # The domain of the last call that failed (and its other scopes' budgets): on a Redis
         # Cluster, the probe tries their primaries (another one may answer while one is down).
         self._failed_domains: tuple[str | None, ...] = (None,)
@@ -472,7 +462,7 @@ class ResilientBucket:
         together they stay within the rate. The share's buckets are this worker's alone:
         neither told to Redis nor following it, so that they hold back no other worker."""
         workers = self.workers()
-        if workers is None or time.monotonic() >= self._handover_until:
+        if workers is None or self._clock.monotonic() >= self._handover_until:
             return 0.0
         share = self._handover.acquire(domain, limit, cost, 0.0, workers, others)
         if share.allowed:
@@ -484,9 +474,9 @@ class ResilientBucket:
         """The ``"local"`` policy's divisor: the setting, else the fleet's size as last seen."""
         return self._config.fallback_workers or self._fleet_size()
 
-    def clock(self, domain: str) -> ServerClock:
-        """Redis's clock as *domain*'s bucket sees it (see :meth:`.TokenBucket.clock`)."""
-        return self._bucket.clock(domain)
+    def server_clock(self, domain: str) -> ServerClock:
+        """Redis's clock as *domain*'s bucket sees it (see :meth:`.TokenBucket.server_clock`)."""
+        return self._bucket.server_clock(domain)
 
     async def voided(self, domain: str) -> tuple[bool, Voiding | None]:
         """Whether Redis could tell, and the last voiding of *domain*'s reserved moments (see
@@ -576,14 +566,14 @@ class ResilientBucket:
         outage = self.breaker.succeeded()
         if outage is not None:
             if self._config.on_redis_error == FALLBACK_LOCAL:
-                self._handover_until = time.monotonic() + self._config.probe_interval
+                self._handover_until = self._clock.monotonic() + self._config.probe_interval
                 # Each share goes on from where this worker's pace alone was: no new burst.
                 self._handover = self.local.snapshot()
             self._came_back(outage)
 
     async def _probe_until_back(self) -> None:
         while self.breaker.open_for() is not None:
-            await sleep(self.breaker.next_probe_in())
+            await self._clock.sleep(self.breaker.next_probe_in())
             if self.breaker.open_for() is None:  # a call under way got through meanwhile
                 break
             self._stats.inc_value(f"{STATS_PREFIX}/redis_calls")

@@ -3,15 +3,12 @@ parked until its moment (a :class:`~.parking.Ticket` for the parking area)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
-import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .config import FALLBACK_WAIT, STATS_PREFIX
 from .parking import RELEASE_AHEAD, Ticket
-from .resilience import sleep
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -20,10 +17,13 @@ if TYPE_CHECKING:
     from scrapy.statscollectors import StatsCollector
 
     from .activity import Activity
+    from .bucket import Voiding
+    from .clock import Clock
     from .config import ThrottleConfig
     from .penalties import Pauses
     from .rates import Limit
-    from .resilience import Grant, ResilientBucket
+    from .resilience import Grant
+    from .server_clock import ServerClock
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,18 @@ MOMENT_SLACK = 0.001
 SENT_META = "_redis_throttle_sent_at"
 
 
+class SharedBucket(Protocol):
+    """What a request's turn asks of the shared bucket (:class:`.ResilientBucket`)."""
+
+    async def acquire(
+        self, domain: str, limit: Limit, cost: float, others: Sequence[tuple[str, Limit]] = ()
+    ) -> Grant: ...
+
+    def server_clock(self, domain: str) -> ServerClock: ...
+
+    async def voided(self, domain: str) -> tuple[bool, Voiding | None]: ...
+
+
 class Turns:
     """Decides when each throttled request goes. Waits longer than ``max_hold`` are parked,
     for the requests that may be (see :meth:`.ParkingArea.handed_out`)."""
@@ -45,12 +57,14 @@ class Turns:
     def __init__(
         self,
         config: ThrottleConfig,
-        budget: ResilientBucket,
+        budget: SharedBucket,
         pauses: Pauses,
         activity: Activity,
         stats: StatsCollector,
         log_extra: Callable[[], dict[str, Any]],
+        clock: Clock,
     ) -> None:
+        self._clock = clock
         self._config = config
         self._budget = budget
         self._pauses = pauses
@@ -74,14 +88,14 @@ class Turns:
         with self._activity.holding(domain):
             stats = self._stats
             # Its wait counts from its first turn, before it was parked.
-            since = time.time() if ticket is None else ticket.waiting_since
+            since = self._clock.wall() if ticket is None else ticket.waiting_since
             # Back from the parking area with its tokens reserved: it goes at its moment.
             if (
                 ticket is not None
                 and ticket.reserved
                 and await self._hold_until(
                     domain,
-                    ticket.moment(self._budget.clock(domain)),
+                    ticket.moment(self._budget.server_clock(domain)),
                     ticket.moment_us,
                     ticket.reserved_at,
                     ticket.elsewhere,
@@ -92,16 +106,16 @@ class Turns:
                 return None
             delayed = ticket is not None
             while True:
-                asked_at = time.time()
+                asked_at = self._clock.wall()
                 grant = await self._budget.acquire(domain, limit, cost, others)
                 result = grant.result
-                decided = result.decided(asyncio.get_running_loop().time())
+                decided = result.decided(self._clock.monotonic())
                 delayed = delayed or grant.waited_for_redis
                 paused = 0.0 if grant.shared else self._pauses.paused_for(domain)
                 if paused:
                     # Without Redis no bucket holds the pause back: this worker does.
                     delayed = True
-                    await sleep(paused)
+                    await self._clock.sleep(paused)
                     continue
                 if result.allowed:
                     if self._missed(domain, decided):
@@ -144,15 +158,15 @@ class Turns:
                         return None
                     continue
                 if result.paused:
-                    await sleep(result.retry_after)
+                    await self._clock.sleep(result.retry_after)
                     continue
                 if result.retry_after <= self._config.max_reserve:
                     # Not reserved though near (a fixed window's room too many windows ahead):
                     # it asks again then.
-                    await sleep(result.retry_after)
+                    await self._clock.sleep(result.retry_after)
                     continue
                 # Too far ahead to reserve: come back when it is not.
-                await sleep(result.retry_after - self._config.max_reserve / 2)
+                await self._clock.sleep(result.retry_after - self._config.max_reserve / 2)
 
     async def _hold_until(
         self,
@@ -166,12 +180,11 @@ class Turns:
         """Wait for the *moment* (loop time; *moment_us*: by Redis's clock, if Redis gave it)
         reserved for *domain* at *reserved_at*: True when it comes, False as soon as it is void
         (see :meth:`_still_reserved`) or missed (see :meth:`_missed`)."""
-        loop = asyncio.get_running_loop()
         while True:
-            await self._pauses.sleep(domain, moment - loop.time())
+            await self._pauses.sleep(domain, moment - self._clock.monotonic())
             # Placed by the bounds Redis's clock had then: those of a reply read late put it
             # late, and the replies read since may tell that it has passed.
-            moment = self._budget.clock(domain).placed(moment, moment_us)
+            moment = self._budget.server_clock(domain).placed(moment, moment_us)
             if (
                 self._missed(domain, moment)
                 or not await self._still_reserved(domain, reserved_at, moment, elsewhere, local)
@@ -180,12 +193,12 @@ class Turns:
                 return False
             # Else woken early by a pause that does not void this moment (one that came after
             # it was reserved): the rest of the wait still holds.
-            if loop.time() >= moment - MOMENT_SLACK:
+            if self._clock.monotonic() >= moment - MOMENT_SLACK:
                 return True
 
     def _missed(self, domain: str, moment: float) -> bool:
         """Whether it is over ``MISSED_AFTER`` too late to go at *moment* (counted)."""
-        late = asyncio.get_running_loop().time() - moment
+        late = self._clock.monotonic() - moment
         if late <= MISSED_AFTER:
             return False
         self._stats.inc_value(f"{STATS_PREFIX}/missed_moments")
@@ -213,7 +226,7 @@ class Turns:
         worker heard (under the ``"wait"`` policy, it asks again)."""
         if not local and not self._pauses.knows_voidings(domain, reserved_at, elsewhere):
             self._stats.inc_value(f"{STATS_PREFIX}/voidings_read")
-            read_at = time.time()
+            read_at = self._clock.wall()
             known, voiding = await self._budget.voided(domain)
             if known:
                 self._pauses.read(domain, voiding, read_at)
@@ -232,13 +245,13 @@ class Turns:
         stats = self._stats
         self._activity.went(domain)
         if self._config.adaptive is not None:
-            request.meta[SENT_META] = asyncio.get_running_loop().time()
+            request.meta[SENT_META] = self._clock.monotonic()
         stats.inc_value(f"{STATS_PREFIX}/requests")
         if not delayed:
             stats.inc_value(f"{STATS_PREFIX}/allowed_immediately")
             return
         # Wall time: a parked request may have been first seen in another process.
-        waited = max(0.0, time.time() - since)
+        waited = max(0.0, self._clock.wall() - since)
         stats.inc_value(f"{STATS_PREFIX}/delayed")
         total_key = f"{STATS_PREFIX}/wait_time_total"
         stats.set_value(total_key, stats.get_value(total_key, 0.0) + waited)
@@ -277,7 +290,7 @@ class Turns:
         )
         self._stats.inc_value(f"{STATS_PREFIX}/park_requests")
         self._activity.park(domain, 1)
-        due = result.decided(asyncio.get_running_loop().time()) + delay
+        due = result.decided(self._clock.monotonic()) + delay
         reservation = result.reservation if grant.shared else None
         return Ticket(
             domain,

@@ -21,7 +21,7 @@ import sys
 import time
 
 from scrapy import signals
-from scrapy.crawler import CrawlerProcess
+from scrapy.crawler import AsyncCrawlerProcess, CrawlerProcess
 from spiders import UrlListSpider
 
 # A wake-up of the probe this late is a stall: a request sent then left that much late.
@@ -61,7 +61,9 @@ class LoopProbe:
 
 def main() -> None:
     job = json.loads(sys.argv[1] if len(sys.argv) > 1 else sys.stdin.read())
-    process = CrawlerProcess(job["settings"])
+    # Without a reactor (TWISTED_REACTOR_ENABLED = False), only the asyncio process can run.
+    reactorless = job["settings"].get("TWISTED_REACTOR_ENABLED") is False
+    process = (AsyncCrawlerProcess if reactorless else CrawlerProcess)(job["settings"])
     crawler = process.create_crawler(UrlListSpider)
     process.crawl(crawler, requests=job["requests"], **job.get("spider_attributes", {}))
     responses: list[tuple[float, float]] = []

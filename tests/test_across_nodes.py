@@ -24,6 +24,7 @@ from support import WORKER_USER, add_worker_user, async_test, redis_now_us, wait
 
 from scrapy_redis_throttle.across_nodes import PEEK, AcrossNodes
 from scrapy_redis_throttle.bucket import AcquireResult, TokenBucket
+from scrapy_redis_throttle.clock import Clock
 from scrapy_redis_throttle.config import ThrottleConfig
 from scrapy_redis_throttle.connection import close, connect
 from scrapy_redis_throttle.control import LiveControl
@@ -313,7 +314,7 @@ async def test_the_breaker_s_probe_asks_every_budget_s_primary(redis_cluster: Lo
     }
     config = ThrottleConfig.from_settings(Settings(settings))
     client = connect(config)
-    budget = ResilientBucket(client, config, MemoryStatsCollector(get_crawler()), dict)
+    budget = ResilientBucket(client, config, MemoryStatsCollector(get_crawler()), dict, Clock())
     limit = Limit(rate=10, burst=1, text="10/s")
     try:
         await budget.check()
@@ -390,7 +391,7 @@ async def test_requests_waiting_for_a_node_that_stalls_do_not_call_it_again(
     config = ThrottleConfig.from_settings(Settings(settings))
     client = connect(config)
     stats = MemoryStatsCollector(get_crawler())
-    budget = ResilientBucket(client, config, stats, dict)
+    budget = ResilientBucket(client, config, stats, dict, Clock())
     limit = Limit(rate=100, burst=1, text="100/s")
     # Longer than a call's timeout (1 s): unpaused only when it ends (CLIENT UNPAUSE waits too).
     pause_ms = 2500

@@ -43,9 +43,9 @@ from support import (
     wait_until_async,
 )
 
-from scrapy_redis_throttle import penalties
 from scrapy_redis_throttle.bucket import Reservation
 from scrapy_redis_throttle.cli import EXIT_BAD_INPUT
+from scrapy_redis_throttle.clock import Clock
 from scrapy_redis_throttle.config import ThrottleConfig
 from scrapy_redis_throttle.connection import ThrottleRedis, close, connect, connect_url
 from scrapy_redis_throttle.control import LiveControl
@@ -225,12 +225,23 @@ async def test_hostile_crawl_delays_affect_only_their_host(redis_server: RedisSe
 
 
 def listening_pauses(
-    redis_server: RedisServer, release_parked: Callable[[str, float, float], None]
+    redis_server: RedisServer,
+    release_parked: Callable[[str, float, float], None],
+    clock: Clock | None = None,
 ) -> tuple[Pauses, ThrottleRedis, MemoryStatsCollector]:
     config = ThrottleConfig.from_settings(Settings({"REDIS_THROTTLE_URL": redis_server.url}))
     client = connect(config)
     stats = MemoryStatsCollector(get_crawler())
-    pauses = Pauses(client, "ch", stats, dict, lambda _key: None, release_parked, longest=600)
+    pauses = Pauses(
+        client,
+        "ch",
+        stats,
+        dict,
+        lambda _key: None,
+        release_parked,
+        longest=600,
+        clock=clock or Clock(),
+    )
     return pauses, client, stats
 
 
@@ -281,14 +292,14 @@ async def test_the_pauses_listener_backs_off_while_a_bug_fails_it_at_once(
     caplog.set_level(logging.WARNING, logger="scrapy_redis_throttle")
     waits: list[float] = []
 
-    async def record(seconds: float) -> None:
-        waits.append(seconds)
+    class RecordingClock(Clock):
+        async def sleep(self, seconds: float) -> None:
+            waits.append(seconds)
 
     def bug(data: bytes) -> None:
         raise RuntimeError("a bug outside one message")
 
-    monkeypatch.setattr(penalties, "sleep", record)
-    pauses, client, stats = listening_pauses(redis_server, lambda *_: None)
+    pauses, client, stats = listening_pauses(redis_server, lambda *_: None, RecordingClock())
     monkeypatch.setattr(pauses, "_received", bug)
     try:
         await pauses.start()
@@ -569,7 +580,7 @@ async def test_a_domain_key_of_another_type_is_that_domains_problem(
     no failure of Redis. The breaker stays closed, the other domains go by Redis."""
     config = ThrottleConfig.from_settings(Settings({"REDIS_THROTTLE_URL": redis_server.url}))
     stats = MemoryStatsCollector(get_crawler())
-    bucket = ResilientBucket(connect(config), config, stats, dict)
+    bucket = ResilientBucket(connect(config), config, stats, dict, Clock())
     windowed = parse_limit(
         ["10/s", {"rate": "5/s", "algorithm": "sliding_window"}], default_burst=1, source="test"
     )
@@ -596,7 +607,12 @@ def sealing_store(
     seals.know(secret)
     stats = stats or MemoryStatsCollector(get_crawler())
     return RedisParking(
-        connect_url(server.url, {}, 1), key, CodecSpider(), Rejections(stats, dict), seals=seals
+        connect_url(server.url, {}, 1),
+        key,
+        CodecSpider(),
+        Rejections(stats, dict),
+        Clock(),
+        seals=seals,
     )
 
 
@@ -739,7 +755,7 @@ async def test_a_call_a_script_refuses_is_that_requests_problem_not_an_outage(
     }
     config = ThrottleConfig.from_settings(Settings(settings))
     stats = MemoryStatsCollector(get_crawler())
-    bucket = ResilientBucket(connect(config), config, stats, dict)
+    bucket = ResilientBucket(connect(config), config, stats, dict, Clock())
     refused = Limit(1e-9, 1, "1/31y")
     try:
         first = await asyncio.wait_for(bucket.acquire("a.example", refused, 1), 10)
@@ -1077,7 +1093,11 @@ async def test_a_forged_parked_request_loses_none_taken_with_it(redis_server: Re
     spider = CodecSpider()
     stats = MemoryStatsCollector(get_crawler())
     store = RedisParking(
-        connect_url(redis_server.url, {}, 1), "codec:parked", spider, Rejections(stats, dict)
+        connect_url(redis_server.url, {}, 1),
+        "codec:parked",
+        spider,
+        Rejections(stats, dict),
+        Clock(),
     )
     now = time.time()
     for n in range(3):

@@ -42,6 +42,7 @@ from support import (
 from tcp_proxy import TcpProxy
 
 from scrapy_redis_throttle.bucket import Reservation
+from scrapy_redis_throttle.clock import Clock
 from scrapy_redis_throttle.connection import connect_url
 from scrapy_redis_throttle.control import LiveControl
 from scrapy_redis_throttle.parking import (
@@ -441,7 +442,7 @@ def test_tickets_read_back_from_redis_are_parsed_strictly() -> None:
     now = time.time()
 
     def read(wire: list[Any], sealed: bool = True) -> Ticket:
-        return Ticket.from_wire([*wire, "seal"] if len(wire) == 7 else wire, SLOW, 5.0, sealed)
+        return Ticket.from_wire([*wire, "seal"] if len(wire) == 7 else wire, SLOW, 5.0, now, sealed)
 
     current = read([True, now, "another-process", False, now, 1e15, None])
     assert (current.reserved, current.moment_us, current.elsewhere) == (True, 1e15, True)
@@ -508,7 +509,7 @@ async def test_a_parked_request_goes_at_the_moment_redis_gave_it_when_its_due_ag
 @async_test
 async def test_a_voiding_brings_back_the_requests_parked_in_memory_with_moments_it_voids() -> None:
     """As above, in this process (any scheduler but scrapy-redis's)."""
-    store = MemoryParking(keep_into=None)
+    store = MemoryParking(keep_into=None, clock=Clock())
     now, heard = asyncio.get_running_loop().time(), time.time()
     parks = [
         *((f"void-{n}", SLOW, 10 * n + 10, True, heard - 1) for n in range(5)),
@@ -585,6 +586,7 @@ async def test_a_park_whose_reply_is_lost_and_whose_request_is_gone_is_uncertain
             "lost:parked",
             spider,
             Rejections(stats, dict),
+            Clock(),
         )
         now = time.time()
         ticket = Ticket(SLOW, asyncio.get_running_loop().time() + 60, True, False, now, now)

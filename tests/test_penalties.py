@@ -36,6 +36,7 @@ from support import (
 )
 
 from scrapy_redis_throttle.bucket import TokenBucket, Voiding
+from scrapy_redis_throttle.clock import Clock
 from scrapy_redis_throttle.config import Backoff, ThrottleConfig
 from scrapy_redis_throttle.connection import close, connect
 from scrapy_redis_throttle.penalties import Pauses, parse_retry_after
@@ -375,6 +376,7 @@ async def test_one_read_of_a_domains_last_voiding_serves_every_request_of_it(
         lambda _key: None,
         lambda *_: None,
         longest=600,
+        clock=Clock(),
     )
     try:
         before = time.time()
@@ -419,6 +421,7 @@ async def test_messages_that_are_not_pauses_are_counted_and_void_nothing(
         lambda _key: None,
         lambda key, *_: voided.append(key),
         longest=600,
+        clock=Clock(),
     )
     bad = [b"1" + b"0" * 400 + b" a.example", b"-5 a.example", "²³ a.example".encode(), b"", b"7"]
     try:

@@ -18,6 +18,7 @@ from support import async_test, wait_until_async
 from scrapy_redis_throttle import resilience
 from scrapy_redis_throttle.activity import REPORTS_KEPT, Activity
 from scrapy_redis_throttle.bucket import AcquireResult
+from scrapy_redis_throttle.clock import Clock
 from scrapy_redis_throttle.config import DEFAULT_KEY_PREFIX, ThrottleConfig
 from scrapy_redis_throttle.connection import connect_url
 from scrapy_redis_throttle.control import LiveControl
@@ -26,7 +27,7 @@ from scrapy_redis_throttle.redis_schema import fleet_key
 from scrapy_redis_throttle.resilience import CircuitBreaker, LocalBuckets, ResilientBucket
 
 
-class Clock:
+class ManualClock:
     def __init__(self) -> None:
         self.now = 1000.0
 
@@ -35,7 +36,7 @@ class Clock:
 
 
 def test_breaker_opens_once_and_probes_with_a_growing_delay() -> None:
-    clock = Clock()
+    clock = ManualClock()
     breaker = CircuitBreaker(first_delay=0.5, max_delay=3, clock=clock)
     assert breaker.open_for() is None
     assert breaker.failed() is True, "the first failure opens it"
@@ -52,7 +53,7 @@ def test_breaker_opens_once_and_probes_with_a_growing_delay() -> None:
 
 @async_test
 async def test_breaker_wakes_its_waiters_when_it_closes() -> None:
-    breaker = CircuitBreaker(first_delay=0.5, max_delay=3)
+    breaker = CircuitBreaker(first_delay=0.5, max_delay=3, clock=ManualClock())
     await breaker.wait_closed()  # closed: no wait
     breaker.failed()
     waiters = [asyncio.ensure_future(breaker.wait_closed()) for _ in range(3)]
@@ -63,7 +64,7 @@ async def test_breaker_wakes_its_waiters_when_it_closes() -> None:
 
 
 def test_local_buckets_pace_each_domain_at_its_share_of_the_rate() -> None:
-    clock = Clock()
+    clock = ManualClock()
     local = LocalBuckets(clock=clock)
     limit = Limit(rate=10, burst=1, text="10/s")  # 5/s for each of 2 workers: every 0.2 s
     first = local.acquire("a.example", limit, cost=1, reserve=0.5, workers=2)
@@ -80,7 +81,7 @@ def test_local_buckets_pace_each_domain_at_its_share_of_the_rate() -> None:
 def test_local_buckets_share_the_burst_between_the_workers() -> None:
     """3 workers at 6/s, burst 6: each one's bucket holds 2 tokens, refilled at 2/s, so that
     the fleet's first moments after a switch hold one burst, not three."""
-    clock = Clock()
+    clock = ManualClock()
     local = LocalBuckets(clock=clock)
     limit = Limit(rate=6, burst=6, text="6/s")
     results = [local.acquire("a.example", limit, 1, 10, workers=3) for _ in range(4)]
@@ -91,7 +92,7 @@ def test_local_buckets_share_the_burst_between_the_workers() -> None:
 
 
 def test_local_buckets_start_where_the_shared_bucket_was() -> None:
-    clock = Clock()
+    clock = ManualClock()
     local = LocalBuckets(clock=clock)
     shared = AcquireResult(allowed=False, reserved=True, tokens_left=0, retry_after=0.9,
                            reset_after=1.0)  # fmt: skip
@@ -105,7 +106,7 @@ def test_only_tokens_taken_locally_are_told_to_redis_once() -> None:
     its replies, is not sent back to it (its time may go back: moments given back, voided);
     tokens taken locally are told until a reply shows a call told them, and one taken after
     that call was sent is told by the next; after a failure of Redis, every busy bucket."""
-    clock = Clock()
+    clock = ManualClock()
     local = LocalBuckets(clock=clock)
     limit = Limit(10, 1, "10/s")
     shared = AcquireResult(allowed=True, reserved=False, tokens_left=0, retry_after=0,
@@ -143,7 +144,7 @@ async def own_budget(server: RedisServer, **settings: Any) -> AsyncIterator[Resi
     """A ResilientBucket on *server*, checked, with *settings*."""
     config = ThrottleConfig.from_settings(Settings({"REDIS_THROTTLE_URL": server.url, **settings}))
     client = connect_url(server.url, config.redis_params, 2)
-    budget = ResilientBucket(client, config, MemoryStatsCollector(get_crawler()), dict)
+    budget = ResilientBucket(client, config, MemoryStatsCollector(get_crawler()), dict, Clock())
     try:
         await budget.check()
         yield budget
@@ -230,7 +231,7 @@ async def test_what_redis_knows_better_is_not_told_back(own_redis: RedisServer) 
 
 def test_local_buckets_forget_full_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(resilience, "LOCAL_PRUNE_SIZE", 100)
-    clock = Clock()
+    clock = ManualClock()
     local = LocalBuckets(clock=clock)
     limit = Limit(1, 1, "1/s")
     for n in range(100):
@@ -260,7 +261,7 @@ async def test_after_an_outage_a_worker_keeps_to_its_share_while_others_may_pace
     config = ThrottleConfig.from_settings(settings)
     client = connect_url(own_redis.url, config.redis_params, 2)
     stats = MemoryStatsCollector(get_crawler())
-    bucket = ResilientBucket(client, config, stats, dict)
+    bucket = ResilientBucket(client, config, stats, dict, Clock())
     limit = Limit(10, 1, "10/s")
     loop = asyncio.get_running_loop()
 
@@ -315,7 +316,7 @@ async def test_the_fleets_size_outlives_a_redis_that_lost_it(own_redis: RedisSer
     interval = 0.1
     client = connect_url(own_redis.url, {}, 2)
     stats = MemoryStatsCollector(get_crawler())
-    workers = [Activity(client, "ns", interval, stats, dict) for _ in range(3)]
+    workers = [Activity(client, "ns", interval, stats, dict, Clock()) for _ in range(3)]
     for worker in workers:
         await worker._count_in()
     first = workers[0]

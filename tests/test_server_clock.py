@@ -110,10 +110,10 @@ def test_a_redis_cluster_is_not_asked_for_clocks_it_has_not_told_of() -> None:
     """Each primary of a Redis Cluster has a clock of its own (see test_cluster.py); before the
     cluster told where a bucket is, its clock is unknown (no connection is made here)."""
     cluster = TokenBucket(ClusterClient(host="127.0.0.1", port=1), "redis_throttle")
-    assert cluster.clock("a.example").server_us(0.0) is None
-    assert cluster.clock("a.example") is not cluster.clock("a.example")
+    assert cluster.server_clock("a.example").server_us(0.0) is None
+    assert cluster.server_clock("a.example") is not cluster.server_clock("a.example")
     one = TokenBucket(redis.asyncio.Redis(port=1), "redis_throttle")
-    assert one.clock("a.example") is one.clock("b.example")
+    assert one.server_clock("a.example") is one.server_clock("b.example")
 
 
 @async_test
