@@ -310,10 +310,12 @@ class ResilientBucket:
         log_extra: Callable[[], dict[str, Any]],
         clock: Clock,
         fleet_size: Callable[[], int | None] = lambda: None,
+        bucket: TokenBucket | None = None,
     ) -> None:
         self._redis = redis
         self._clock = clock
-        self._bucket = TokenBucket(
+        # The scripts' calls (a test passes its own).
+        self._bucket = bucket or TokenBucket(
             redis,
             config.key_prefix,
             adaptive=config.adaptive is not None,

@@ -15,128 +15,14 @@ from scrapy.statscollectors import MemoryStatsCollector
 from scrapy.utils.test import get_crawler
 from support import async_test, wait_until_async
 
-from scrapy_redis_throttle import resilience
 from scrapy_redis_throttle.activity import REPORTS_KEPT, Activity
-from scrapy_redis_throttle.bucket import AcquireResult
 from scrapy_redis_throttle.clock import Clock
 from scrapy_redis_throttle.config import DEFAULT_KEY_PREFIX, ThrottleConfig
 from scrapy_redis_throttle.connection import connect_url
 from scrapy_redis_throttle.control import LiveControl
 from scrapy_redis_throttle.rates import Limit
 from scrapy_redis_throttle.redis_schema import fleet_key
-from scrapy_redis_throttle.resilience import CircuitBreaker, LocalBuckets, ResilientBucket
-
-
-class ManualClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_breaker_opens_once_and_probes_with_a_growing_delay() -> None:
-    clock = ManualClock()
-    breaker = CircuitBreaker(first_delay=0.5, max_delay=3, clock=clock)
-    assert breaker.open_for() is None
-    assert breaker.failed() is True, "the first failure opens it"
-    assert breaker.failed() is False, "calls already under way change nothing"
-    assert [breaker.next_probe_in() for _ in range(5)] == [0.5, 1, 2, 3, 3]
-    clock.now += 12.5
-    assert breaker.open_for() == pytest.approx(12.5)
-    assert breaker.succeeded() == pytest.approx(12.5)
-    assert breaker.open_for() is None
-    assert breaker.succeeded() is None
-    assert breaker.failed() is True
-    assert breaker.next_probe_in() == 0.5, "the delay starts again from the first one"
-
-
-@async_test
-async def test_breaker_wakes_its_waiters_when_it_closes() -> None:
-    breaker = CircuitBreaker(first_delay=0.5, max_delay=3, clock=ManualClock())
-    await breaker.wait_closed()  # closed: no wait
-    breaker.failed()
-    waiters = [asyncio.ensure_future(breaker.wait_closed()) for _ in range(3)]
-    await asyncio.sleep(0)
-    assert not any(w.done() for w in waiters)
-    breaker.succeeded()
-    await asyncio.wait_for(asyncio.gather(*waiters), timeout=5)
-
-
-def test_local_buckets_pace_each_domain_at_its_share_of_the_rate() -> None:
-    clock = ManualClock()
-    local = LocalBuckets(clock=clock)
-    limit = Limit(rate=10, burst=1, text="10/s")  # 5/s for each of 2 workers: every 0.2 s
-    first = local.acquire("a.example", limit, cost=1, reserve=0.5, workers=2)
-    assert first.allowed
-    waits = [local.acquire("a.example", limit, 1, 0.5, 2) for _ in range(3)]
-    assert [w.reserved for w in waits] == [True, True, False]
-    assert [w.retry_after for w in waits] == pytest.approx([0.2, 0.4, 0.6])
-    assert local.busy_until("a.example") == pytest.approx(clock.now + 0.6)
-    assert local.acquire("b.example", limit, 1, 0.5, 2).allowed, "domains are independent"
-    clock.now += 0.601
-    assert local.acquire("a.example", limit, 1, 0.5, 2).allowed
-
-
-def test_local_buckets_share_the_burst_between_the_workers() -> None:
-    """3 workers at 6/s, burst 6: each one's bucket holds 2 tokens, refilled at 2/s, so that
-    the fleet's first moments after a switch hold one burst, not three."""
-    clock = ManualClock()
-    local = LocalBuckets(clock=clock)
-    limit = Limit(rate=6, burst=6, text="6/s")
-    results = [local.acquire("a.example", limit, 1, 10, workers=3) for _ in range(4)]
-    assert [r.allowed for r in results] == [True, True, False, False]
-    assert [r.retry_after for r in results] == pytest.approx([0, 0, 0.5, 1.0])
-    # A request costs at most the burst; a worker's share of it is at least one request.
-    assert local.acquire("b.example", Limit(1, 1, "1/s"), 1, 0, workers=3).allowed
-
-
-def test_local_buckets_start_where_the_shared_bucket_was() -> None:
-    clock = ManualClock()
-    local = LocalBuckets(clock=clock)
-    shared = AcquireResult(allowed=False, reserved=True, tokens_left=0, retry_after=0.9,
-                           reset_after=1.0)  # fmt: skip
-    local.follow("a.example", shared)
-    result = local.acquire("a.example", Limit(10, 1, "10/s"), cost=1, reserve=5, workers=1)
-    assert result.retry_after == pytest.approx(1.0), "after the tokens Redis already gave out"
-
-
-def test_only_tokens_taken_locally_are_told_to_redis_once() -> None:
-    """busy_until is what this process took while Redis failed: Redis's own view, followed from
-    its replies, is not sent back to it (its time may go back: moments given back, voided);
-    tokens taken locally are told until a reply shows a call told them, and one taken after
-    that call was sent is told by the next; after a failure of Redis, every busy bucket."""
-    clock = ManualClock()
-    local = LocalBuckets(clock=clock)
-    limit = Limit(10, 1, "10/s")
-    shared = AcquireResult(allowed=True, reserved=False, tokens_left=0, retry_after=0,
-                           reset_after=1.0)  # fmt: skip
-    local.follow("a.example", shared)
-    assert local.busy_until("a.example") == 0, "Redis's own view"
-    local.acquire("a.example", limit, 1, reserve=5, workers=1)
-    assert local.busy_until("a.example") == pytest.approx(clock.now + 1.1), (
-        "after what Redis gave out"
-    )
-    sent = local.untold(["a.example", "b.example"])
-    assert sent.keys() == {"a.example"}
-    local.acquire("a.example", limit, 1, reserve=5, workers=1)  # while the call was under way
-    local.told(sent)
-    assert local.busy_until("a.example") == pytest.approx(clock.now + 1.2), (
-        "the later take still to tell"
-    )
-    local.told(local.untold(["a.example"]))
-    assert local.busy_until("a.example") == 0
-    local.acquire("a.example", limit, 1, reserve=5, workers=1)
-    local.forget("a.example")
-    assert local.busy_until("a.example") == 0
-    # Redis failed: what was seen busy in it is told again (it may have lost it); not a bucket
-    # full again by then.
-    local.follow("b.example", shared)
-    clock.now += 0.5
-    local.tell_again()
-    assert local.busy_until("a.example") == 0
-    assert local.busy_until("b.example") == pytest.approx(clock.now + 0.5)
-    assert local.busy_until("c.example") == 0
+from scrapy_redis_throttle.resilience import ResilientBucket
 
 
 @contextlib.asynccontextmanager
@@ -227,19 +113,6 @@ async def test_what_redis_knows_better_is_not_told_back(own_redis: RedisServer) 
             assert grant.result.moment_us is not None, grant
             moments.append(grant.result.moment_us)
     assert moments[-1] - moments[0] < 100_000, "29 steps of 1 ms (and the calls' own time)"
-
-
-def test_local_buckets_forget_full_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(resilience, "LOCAL_PRUNE_SIZE", 100)
-    clock = ManualClock()
-    local = LocalBuckets(clock=clock)
-    limit = Limit(1, 1, "1/s")
-    for n in range(100):
-        local.acquire(f"d{n}.example", limit, 1, 0, 1)
-    assert len(local) == 100
-    clock.now += 1.5  # all full again
-    local.acquire("new.example", limit, 1, 0, 1)
-    assert len(local) == 1
 
 
 @async_test

@@ -1,0 +1,304 @@
+"""What the unit tests drive the throttle's decisions with: a clock whose time moves only when a
+test says, a bucket in memory (the scripts' algorithm, see :class:`.LocalBuckets`) and a fake
+engine. Nothing here sleeps, starts a server or opens a socket."""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from scrapy import Request
+from scrapy.settings import Settings
+from scrapy.statscollectors import MemoryStatsCollector
+from scrapy.utils.test import get_crawler
+
+from scrapy_redis_throttle.activity import Activity
+from scrapy_redis_throttle.bucket import AcquireResult, Voiding
+from scrapy_redis_throttle.clock import Clock
+from scrapy_redis_throttle.config import ThrottleConfig
+from scrapy_redis_throttle.parking import Ticket
+from scrapy_redis_throttle.penalties import Pauses
+from scrapy_redis_throttle.rates import Limit, parse_limit
+from scrapy_redis_throttle.resilience import Grant, LocalBuckets, ResilientBucket
+from scrapy_redis_throttle.server_clock import ServerClock
+from scrapy_redis_throttle.waiting import Turns
+
+_T = TypeVar("_T")
+
+# Loop turns given to the tasks woken at one moment, to run until they wait again: each await of
+# a fake sleep, a future or an event is a few turns; the decisions here take fewer than 20.
+SETTLE_TURNS = 50
+START_WALL = 1_800_000_000.0
+START_MONOTONIC = 1_000.0
+
+
+async def settle() -> None:
+    """Let every task that can run, run until it waits (on the fake clock, or for good)."""
+    for _ in range(SETTLE_TURNS):
+        await asyncio.sleep(0)
+
+
+class FakeClock(Clock):
+    """Time that stands still until :meth:`advance` or :meth:`run` moves it; wall time moves
+    with monotonic time, from :data:`START_WALL`."""
+
+    def __init__(self) -> None:
+        self.now = START_MONOTONIC
+        self._timers: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._order = itertools.count()
+
+    def wall(self) -> float:
+        return self.now - START_MONOTONIC + START_WALL
+
+    def monotonic(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        wake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._timers, (self.now + max(seconds, 0.0), next(self._order), wake))
+        await wake
+
+    @property
+    def sleeping(self) -> list[float]:
+        """When each sleep under way ends, earliest first."""
+        return sorted(at for at, _, wake in self._timers if not wake.done())
+
+    async def advance(self, seconds: float) -> None:
+        """Move time *seconds* on, waking each sleep at its end, in order."""
+        end = self.now + seconds
+        await settle()
+        while self._timers and self._timers[0][0] <= end:
+            at, _, wake = heapq.heappop(self._timers)
+            if wake.done():  # cancelled
+                continue
+            self.now = max(self.now, at)
+            wake.set_result(None)
+            await settle()
+        self.now = end
+        await settle()
+
+    async def run(self, awaitable: Awaitable[_T], limit: float = 3600.0) -> _T:
+        """Await *awaitable*, moving time from one sleep's end to the next while it waits; fail
+        if it waits for anything else, or longer than *limit* seconds."""
+        task = asyncio.ensure_future(awaitable)
+        deadline = self.now + limit
+        await settle()
+        while not task.done():
+            sleeping = self.sleeping
+            if not sleeping:
+                task.cancel()
+                raise AssertionError("it waits for something other than the clock")
+            if sleeping[0] > deadline:
+                task.cancel()
+                raise AssertionError(f"still waiting after {limit} s")
+            await self.advance(sleeping[0] - self.now)
+        return task.result()
+
+
+def limit(text: str, burst: int = 1) -> Limit:
+    """A limit as a spider would write it (a rate, with a burst)."""
+    parsed = parse_limit({"rate": text, "burst": burst}, default_burst=1, source="test")
+    assert parsed is not None
+    return parsed
+
+
+def throttle_config(**settings: Any) -> ThrottleConfig:
+    return ThrottleConfig.from_settings(Settings(settings))
+
+
+def stats() -> MemoryStatsCollector:
+    return MemoryStatsCollector(get_crawler())
+
+
+class MemoryBucket:
+    """Stands for :class:`.ResilientBucket` (see :class:`.waiting.SharedBucket`): one bucket per
+    domain, in memory, by the scripts' algorithm on the fake clock. Every call is recorded
+    (monotonic time, domain); :attr:`answers` are given before the bucket's own."""
+
+    def __init__(self, clock: FakeClock, max_reserve: float = 60.0, shared: bool = True) -> None:
+        self._clock = clock
+        self._max_reserve = max_reserve
+        self.shared = shared
+        self.bucket = LocalBuckets(clock.monotonic)
+        self.calls: list[tuple[float, str]] = []
+        self.answers: list[AcquireResult] = []
+        # What voided() answers: whether Redis could tell, and the last voiding.
+        self.voiding: tuple[bool, Voiding | None] = (True, None)
+        self.voided_reads = 0
+        self._server_clock = ServerClock()
+
+    async def acquire(
+        self, domain: str, limit: Limit, cost: float, others: Sequence[tuple[str, Limit]] = ()
+    ) -> Grant:
+        self.calls.append((self._clock.now, domain))
+        if self.answers:
+            return Grant(self.answers.pop(0), shared=self.shared)
+        result = self.bucket.acquire(domain, limit, cost, self._max_reserve, 1, others)
+        return Grant(result, shared=self.shared)
+
+    def server_clock(self, domain: str) -> ServerClock:
+        return self._server_clock
+
+    async def voided(self, domain: str) -> tuple[bool, Voiding | None]:
+        self.voided_reads += 1
+        return self.voiding
+
+
+class FakeDownloader:
+    def __init__(self) -> None:
+        self.active: set[Request] = set()
+
+
+class FakeEngine:
+    """What the parking area asks of Scrapy's engine: room, and taking a request back
+    (``crawl()``, which hands it to the scheduler's ``enqueue_request``)."""
+
+    def __init__(self) -> None:
+        self.downloader = FakeDownloader()
+        self.backout = False
+        self.enqueue: Any = None
+        self.crawled: list[Request] = []
+
+    def needs_backout(self) -> bool:
+        return self.backout
+
+    def crawl(self, request: Request) -> None:
+        self.crawled.append(request)
+        if self.enqueue is not None:
+            self.enqueue(request)
+
+
+@dataclass
+class FakeCrawler:
+    engine: FakeEngine = field(default_factory=FakeEngine)
+    stats: MemoryStatsCollector = field(default_factory=stats)
+
+
+class Throttle:
+    """A request's path from its turn on, as the middleware builds it (:class:`.Turns`, with
+    :class:`.Pauses`), on the fake clock and a :class:`MemoryBucket`. Redis is never called:
+    the client stands unconnected (the pauses' listener is not started, nor the reports)."""
+
+    def __init__(self, **settings: Any) -> None:
+        self.clock = FakeClock()
+        self.config = throttle_config(**settings)
+        self.stats = stats()
+        self.bucket = MemoryBucket(self.clock, self.config.max_reserve)
+        self.voidings: list[tuple[str, float, float]] = []
+        self.forgotten: list[str] = []
+        redis = Redis(port=1)  # never called
+        self.pauses = Pauses(
+            redis,
+            "channel",
+            self.stats,
+            dict,
+            forget=self.forgotten.append,
+            release_parked=lambda *voiding: self.voidings.append(voiding),
+            longest=max(self.config.backoff.longest, self.config.max_reserve),
+            clock=self.clock,
+        )
+        self.activity = Activity(redis, "ns", 0, self.stats, dict, self.clock)
+        self.turns = Turns(
+            self.config, self.bucket, self.pauses, self.activity, self.stats, dict, self.clock
+        )
+
+    def stat(self, name: str) -> Any:
+        return self.stats.get_value(f"redis_throttle/{name}")
+
+    async def take(
+        self,
+        request: Request,
+        limit: Limit,
+        ticket: Ticket | None = None,
+        may_park: bool = False,
+        domain: str = "a.example",
+        cost: float = 1.0,
+    ) -> Ticket | None:
+        """The request's turn, time moving while it waits: None when it went (at the clock's
+        time then), or its ticket."""
+        return await self.clock.run(self.turns.take(request, domain, limit, cost, ticket, may_park))
+
+    def start(
+        self,
+        request: Request,
+        limit: Limit,
+        ticket: Ticket | None = None,
+        domain: str = "a.example",
+    ) -> asyncio.Task[Ticket | None]:
+        """The request's turn, under way while the test moves time itself."""
+        turn = self.turns.take(request, domain, limit, 1.0, ticket, may_park=False)
+        return asyncio.ensure_future(turn)
+
+
+class FlakyScripts:
+    """Stands for :class:`.TokenBucket` (the scripts' calls) behind a :class:`.ResilientBucket`:
+    a bucket in memory on the fake clock while :attr:`up`, a ConnectionError while not, and a
+    script's refusal while :attr:`refusing`. Each acquire is recorded (domain, busy_until)."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.up = True
+        self.refusing = False
+        self.bucket = LocalBuckets(clock.monotonic)
+        self.calls: list[tuple[str, float]] = []
+        self.probes = 0
+        self._server_clock = ServerClock()
+
+    def _answer(self) -> None:
+        if not self.up:
+            raise RedisConnectionError("Connection refused")
+        if self.refusing:
+            raise ResponseError("redis_throttle: a limit of no rate")
+
+    async def acquire(
+        self,
+        domain: str,
+        limit: Limit,
+        cost: float = 1,
+        reserve: float = 0,
+        busy_until: float = 0,
+        others: Sequence[tuple[str, Limit, float]] = (),
+    ) -> AcquireResult:
+        self.calls.append((domain, busy_until))
+        self._answer()
+        budgets = [(name, each) for name, each, _ in others]
+        return self.bucket.acquire(domain, limit, cost, reserve, 1, budgets)
+
+    async def probe(self, domain: str | None = None) -> None:
+        self.probes += 1
+        self._answer()
+
+    def server_clock(self, domain: str) -> ServerClock:
+        return self._server_clock
+
+    async def load_secret(self) -> bytes:
+        self._answer()
+        return b"s" * 32
+
+    async def aclose(self) -> None:
+        pass
+
+
+def resilient_bucket(
+    clock: FakeClock, fleet: int | None = 2, **settings: Any
+) -> tuple[ResilientBucket, FlakyScripts, MemoryStatsCollector]:
+    """A :class:`.ResilientBucket` on *clock* in a fleet of *fleet* workers, with
+    :class:`FlakyScripts` for its calls."""
+    scripts = FlakyScripts(clock)
+    collector = stats()
+    bucket = ResilientBucket(
+        Redis(port=1),  # never called: the scripts stand in
+        throttle_config(**settings),
+        collector,
+        dict,
+        clock,
+        fleet_size=lambda: fleet,
+        bucket=scripts,  # type: ignore[arg-type]
+    )
+    return bucket, scripts, collector

@@ -1,0 +1,285 @@
+"""The pauses a worker knows of (:class:`.Pauses`): which reserved moments they void, whom they
+wake, what they keep in memory, and what a message on the channel may do; on a fake clock."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fakes import Throttle
+from support import async_test
+
+from scrapy_redis_throttle.bucket import Voiding
+from scrapy_redis_throttle.penalties import (
+    CLOCK_MARGIN,
+    PAUSES_PER_DOMAIN,
+    SAME_PAUSE,
+    SWEEP_STEP,
+    parse_retry_after,
+)
+
+A, B = "a.example", "b.example"
+
+
+@async_test
+async def test_a_pause_voids_moments_within_it_reserved_before_it() -> None:
+    pauses, clock = (throttle := Throttle()).pauses, throttle.clock
+    reserved_at = clock.wall() - 1
+    pauses.pause(A, 10.0)
+    assert pauses.voided(A, reserved_at, clock.now + 5)
+    assert pauses.voided(A, reserved_at, clock.now + 10), "its last moment too"
+
+
+@async_test
+async def test_a_pause_leaves_moments_after_it_alone() -> None:
+    pauses, clock = (throttle := Throttle()).pauses, throttle.clock
+    pauses.pause(A, 10.0)
+    assert not pauses.voided(A, clock.wall() - 1, clock.now + 10.5)
+
+
+@async_test
+async def test_a_pause_leaves_moments_reserved_after_it_alone() -> None:
+    pauses, clock = (throttle := Throttle()).pauses, throttle.clock
+    pauses.pause(A, 10.0)
+    await clock.advance(0.1)
+    assert not pauses.voided(A, clock.wall(), clock.now + 5)
+
+
+@async_test
+async def test_a_pause_leaves_other_domains_alone() -> None:
+    pauses, clock = (throttle := Throttle()).pauses, throttle.clock
+    pauses.pause(A, 10.0)
+    assert not pauses.voided(B, clock.wall() - 1, clock.now + 5)
+
+
+@async_test
+async def test_a_moment_reserved_in_another_process_counts_its_clocks_margin() -> None:
+    """Its wall clock may be CLOCK_MARGIN ahead: reserved "after" the pause by less than that,
+    it may have been reserved before."""
+    pauses, clock = (throttle := Throttle()).pauses, throttle.clock
+    pauses.pause(A, 10.0)
+    reserved_at = clock.wall() + CLOCK_MARGIN / 2
+    assert pauses.voided(A, reserved_at, clock.now + 5, elsewhere=True)
+    assert not pauses.voided(A, reserved_at, clock.now + 5)
+    assert not pauses.voided(A, clock.wall() + 2 * CLOCK_MARGIN, clock.now + 5, elsewhere=True)
+
+
+@async_test
+async def test_a_pause_heard_late_counts_from_when_it_happened() -> None:
+    pauses, clock = (throttle := Throttle()).pauses, throttle.clock
+    reserved_at = clock.wall() - 2  # before the pause (3 s ago), heard only now
+    pauses.pause(A, 10.0, age=3.0)
+    assert not pauses.voided(A, reserved_at, clock.now + 5)
+    assert pauses.voided(A, clock.wall() - 4, clock.now + 5)
+
+
+@async_test
+async def test_a_pause_is_no_longer_than_the_longest_allowed() -> None:
+    throttle = Throttle(REDIS_THROTTLE_MAX_PAUSE=60, REDIS_THROTTLE_MAX_RESERVE=30)
+    pauses, clock = throttle.pauses, throttle.clock
+    pauses.pause(A, 10_000.0)  # a message may say anything
+    assert pauses.paused_for(A) == pytest.approx(60.0)
+    assert not pauses.voided(A, clock.wall() - 1, clock.now + 61)
+
+
+@async_test
+async def test_paused_for_counts_down_and_ends() -> None:
+    pauses, clock = (throttle := Throttle()).pauses, throttle.clock
+    assert pauses.paused_for(A) == 0.0
+    pauses.pause(A, 3.0)
+    await clock.advance(1.0)
+    assert pauses.paused_for(A) == pytest.approx(2.0)
+    await clock.advance(2.5)
+    assert pauses.paused_for(A) == 0.0
+
+
+@async_test
+async def test_a_pause_wakes_the_sleeps_of_moments_within_it_only() -> None:
+    pauses, clock = (throttle := Throttle()).pauses, throttle.clock
+    start = clock.now
+    woken: dict[float, float] = {}
+
+    async def hold(seconds: float) -> None:
+        await pauses.sleep(A, seconds)
+        woken[seconds] = clock.now - start
+
+    holds = asyncio.gather(hold(1.0), hold(5.0), hold(20.0))
+    await clock.advance(0.5)
+    pauses.pause(A, 6.0)
+    await clock.advance(0)
+    assert woken == {1.0: 0.5, 5.0: 0.5}, "those within the pause wake at once"
+    await clock.run(holds)
+    assert woken[20.0] == 20.0
+
+
+@async_test
+async def test_a_pause_of_another_domain_wakes_nobody() -> None:
+    pauses, clock = (throttle := Throttle()).pauses, throttle.clock
+    start = clock.now
+    sleep = asyncio.ensure_future(pauses.sleep(A, 1.0))
+    await clock.advance(0.1)
+    pauses.pause(B, 5.0)
+    await clock.advance(0)
+    assert not sleep.done()
+    await clock.run(sleep)
+    assert clock.now == pytest.approx(start + 1.0)
+
+
+@async_test
+async def test_a_sleep_leaves_nothing_behind() -> None:
+    pauses, clock = (throttle := Throttle()).pauses, throttle.clock
+    await clock.run(pauses.sleep(A, 1.0))
+    pauses.pause(A, 5.0)  # nobody to wake
+    sleep = asyncio.ensure_future(pauses.sleep(A, 1.0))
+    await clock.advance(0)
+    sleep.cancel()
+    await clock.advance(0)
+    assert clock.sleeping == [], "a cancelled wait cancels its timer"
+
+
+@async_test
+async def test_every_pause_tells_the_parking_area_and_forgets_the_local_view() -> None:
+    throttle = Throttle()
+    throttle.pauses.pause(A, 5.0)
+    heard, until = throttle.clock.wall(), throttle.clock.now + 5.0
+    assert throttle.voidings == [(A, heard, until)]
+    assert throttle.forgotten == [A]
+
+
+@async_test
+async def test_the_same_pause_heard_twice_is_kept_once() -> None:
+    throttle = Throttle()
+    throttle.pauses.pause(A, 5.0)
+    await throttle.clock.advance(SAME_PAUSE / 2)
+    throttle.pauses.pause(A, 5.0 - SAME_PAUSE / 2)
+    assert len(throttle.voidings) == 1, "the second is the first, read again"
+
+
+@async_test
+async def test_a_domains_pauses_are_merged_past_the_most_kept() -> None:
+    pauses, clock = (throttle := Throttle()).pauses, throttle.clock
+    first_heard = clock.wall()
+    for n in range(PAUSES_PER_DOMAIN + 1):
+        pauses.pause(A, 100.0 - n)  # each heard later, ending sooner: kept apart
+        await clock.advance(1.0)
+    # Merged into one that voids all they voided, and more: the polite side.
+    assert pauses.voided(A, first_heard - 1, clock.now + 90)
+    assert pauses.voided(A, clock.wall() - 1.5, clock.now + 90)
+
+
+@async_test
+async def test_ended_pauses_are_forgotten_as_new_ones_come() -> None:
+    pauses, clock = (throttle := Throttle()).pauses, throttle.clock
+    for n in range(100):
+        pauses.pause(f"d{n}.example", 1.0)
+    await clock.advance(2.0)
+    for n in range(100, 100 + 100 // SWEEP_STEP + 1):
+        pauses.pause(f"d{n}.example", 60.0)
+    # Each new pause forgets up to SWEEP_STEP ended ones: memory holds the pauses under way.
+    assert len(pauses._pauses) == 100 // SWEEP_STEP + 1
+
+
+@async_test
+async def test_without_a_subscription_no_voiding_is_known() -> None:
+    pauses, clock = (throttle := Throttle()).pauses, throttle.clock
+    assert not pauses.knows_voidings(A, clock.wall(), elsewhere=False)
+
+
+@async_test
+async def test_a_subscription_knows_the_voidings_of_moments_reserved_since() -> None:
+    pauses, clock = (throttle := Throttle()).pauses, throttle.clock
+    pauses._listening_since = clock.wall()
+    await clock.advance(0.1)
+    assert pauses.knows_voidings(A, clock.wall(), elsewhere=False)
+    assert not pauses.knows_voidings(A, clock.wall() - 1, elsewhere=False), "reserved before"
+    assert not pauses.knows_voidings(A, clock.wall(), elsewhere=True), "within the margin"
+    await clock.advance(CLOCK_MARGIN)
+    assert pauses.knows_voidings(A, clock.wall(), elsewhere=True)
+
+
+@async_test
+async def test_a_voiding_read_while_listening_serves_that_domain_from_then_on() -> None:
+    pauses, clock = (throttle := Throttle()).pauses, throttle.clock
+    pauses._listening_since = clock.wall()
+    pauses.read(A, None, clock.wall())
+    assert pauses.knows_voidings(A, clock.wall() - 100, elsewhere=True)
+    assert not pauses.knows_voidings(B, clock.wall() - 100, elsewhere=True)
+
+
+@async_test
+async def test_a_voiding_read_from_redis_voids_what_it_voided() -> None:
+    pauses, clock = (throttle := Throttle()).pauses, throttle.clock
+    pauses.read(A, Voiding(age=2.0, left=10.0), clock.wall())
+    assert pauses.voided(A, clock.wall() - 3, clock.now + 9)
+    assert not pauses.voided(A, clock.wall() - 1, clock.now + 9), "reserved after it"
+
+
+@async_test
+async def test_a_voiding_read_before_the_subscription_serves_nothing() -> None:
+    pauses, clock = (throttle := Throttle()).pauses, throttle.clock
+    read_at = clock.wall()
+    await clock.advance(1.0)
+    pauses._listening_since = clock.wall()
+    pauses.read(A, None, read_at)
+    assert not pauses.knows_voidings(A, clock.wall() - 100, elsewhere=True)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        b"",
+        b"7",
+        b"5000000",  # no domain
+        b"-5 a.example",
+        b"1.5 a.example",
+        "²³ a.example".encode(),
+        b"1" + b"0" * 15 + b" a.example",  # more digits than any pause
+        b"\xff\xfe a.example",
+    ],
+)
+@async_test
+async def test_a_message_that_is_no_pause_is_counted_and_voids_nothing(message: bytes) -> None:
+    throttle = Throttle()
+    throttle.pauses._received(message)
+    assert throttle.voidings == []
+    assert throttle.stat("bad_messages") == 1
+
+
+@async_test
+async def test_a_pause_message_pauses_its_domain() -> None:
+    throttle = Throttle()
+    throttle.pauses._received(b"2500000 a.example")
+    assert throttle.pauses.paused_for(A) == pytest.approx(2.5)
+    assert throttle.stat("bad_messages") is None
+
+
+@async_test
+async def test_a_domain_of_any_bytes_in_a_message_is_that_domain() -> None:
+    throttle = Throttle()
+    throttle.pauses._received(b"1000000 \xff.example")
+    assert throttle.voidings[0][0] == "\udcff.example"
+
+
+@pytest.mark.parametrize(
+    ("value", "date", "seconds"),
+    [
+        (None, None, None),
+        (b"", None, None),
+        (b"120", None, 120.0),
+        (b" 007 ", None, 7.0),
+        (b"0", None, 0.0),
+        (b"9" * 400, None, 1e9),
+        (b"Wed, 21 Oct 2015 07:28:00 GMT", b"Wed, 21 Oct 2015 07:27:00 GMT", 60.0),
+        (b"Wed, 21 Oct 2015 07:28:00 GMT", b"Wed, 21 Oct 2015 07:29:00 GMT", 0.0),
+    ],
+)
+def test_retry_after_is_seconds_or_a_date_by_the_sites_clock(
+    value: bytes | None, date: bytes | None, seconds: float | None
+) -> None:
+    assert parse_retry_after(value, date) == seconds
+
+
+@pytest.mark.parametrize("value", [b"-1", b"1.5", "²".encode(), b"soon", b"\xff"])
+def test_a_retry_after_of_another_form_is_refused_saying_why(value: bytes) -> None:
+    with pytest.raises(ValueError, match="neither seconds nor an HTTP-date"):
+        parse_retry_after(value, None)

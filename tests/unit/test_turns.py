@@ -1,0 +1,400 @@
+"""A request's turn (:class:`.Turns`): go now, hold until its moment, or park; on a fake clock
+and a bucket in memory, so every time asserted is exact."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fakes import Throttle, limit
+from scrapy import Request
+from support import async_test
+
+from scrapy_redis_throttle.bucket import AcquireResult, Voiding
+from scrapy_redis_throttle.config import FALLBACK_LOCAL, FALLBACK_WAIT
+from scrapy_redis_throttle.parking import RELEASE_AHEAD, Ticket
+from scrapy_redis_throttle.waiting import MISSED_AFTER, SENT_META
+
+TWO_PER_SECOND = limit("2/s")
+BURST_THREE = limit("2/s", burst=3)
+
+
+def request(n: int = 0) -> Request:
+    return Request(f"http://a.example/{n}")
+
+
+@async_test
+async def test_a_request_within_the_burst_goes_at_once_and_is_counted() -> None:
+    throttle = Throttle()
+    start = throttle.clock.now
+    assert await throttle.take(request(), TWO_PER_SECOND) is None
+    assert throttle.clock.now == start, "no wait"
+    assert throttle.stat("allowed_immediately") == 1
+    assert throttle.stat("requests") == 1
+    assert throttle.stat("delayed") is None
+    assert len(throttle.bucket.calls) == 1
+
+
+@async_test
+async def test_requests_over_the_burst_go_each_at_its_moment() -> None:
+    throttle = Throttle()
+    start = throttle.clock.now
+    went: list[float] = []
+
+    async def turn(n: int) -> None:
+        assert await throttle.start(request(n), TWO_PER_SECOND) is None
+        went.append(throttle.clock.now - start)
+
+    await throttle.clock.run(asyncio.gather(*(turn(n) for n in range(4))))
+    assert went == [0.0, 0.5, 1.0, 1.5]
+    assert len(throttle.bucket.calls) == 4, "one call per request: its moment is reserved"
+    assert throttle.stat("delayed") == 3
+    assert throttle.stat("wait_time_max") == pytest.approx(1.5)
+    assert throttle.stat("wait_time_total") == pytest.approx(3.0)
+
+
+@async_test
+async def test_a_burst_lets_that_many_go_at_once() -> None:
+    throttle = Throttle()
+    start = throttle.clock.now
+    went: list[float] = []
+
+    async def turn(n: int) -> None:
+        await throttle.start(request(n), BURST_THREE)
+        went.append(throttle.clock.now - start)
+
+    await throttle.clock.run(asyncio.gather(*(turn(n) for n in range(5))))
+    assert went == [0.0, 0.0, 0.0, 0.5, 1.0]
+
+
+@async_test
+async def test_a_wait_over_max_hold_parks_the_request_with_its_moment_reserved() -> None:
+    throttle = Throttle(REDIS_THROTTLE_MAX_HOLD=1.0)
+    start = throttle.clock.now
+    for _n in range(3):  # moments at 0, 0.5 and 1.0 s: held
+        throttle.bucket.bucket.acquire("a.example", TWO_PER_SECOND, 1, 60, 1)
+    ticket = await throttle.take(request(), TWO_PER_SECOND, may_park=True)
+    assert isinstance(ticket, Ticket)
+    assert throttle.clock.now == start, "parked at once, not held"
+    assert ticket.reserved
+    assert not ticket.locally
+    assert ticket.due == pytest.approx(start + 1.5)
+    assert ticket.reserved_at == throttle.clock.wall()
+    assert throttle.stat("park_requests") == 1
+    assert throttle.stat("requests") is None, "it has not gone"
+
+
+@async_test
+async def test_a_request_that_may_not_park_holds_however_long() -> None:
+    throttle = Throttle(REDIS_THROTTLE_MAX_HOLD=1.0)
+    start = throttle.clock.now
+    for _ in range(5):
+        throttle.bucket.bucket.acquire("a.example", TWO_PER_SECOND, 1, 60, 1)
+    assert await throttle.take(request(), TWO_PER_SECOND) is None
+    assert throttle.clock.now - start == pytest.approx(2.5)
+
+
+@async_test
+async def test_a_wait_of_max_hold_exactly_is_held_not_parked() -> None:
+    throttle = Throttle(REDIS_THROTTLE_MAX_HOLD=0.5)
+    throttle.bucket.bucket.acquire("a.example", TWO_PER_SECOND, 1, 60, 1)
+    result = await throttle.take(request(), TWO_PER_SECOND, may_park=True)
+    assert result is None
+
+
+@async_test
+async def test_a_ticket_back_with_its_moment_goes_then_without_asking() -> None:
+    throttle = Throttle()
+    now, wall = throttle.clock.now, throttle.clock.wall()
+    ticket = Ticket("a.example", now + RELEASE_AHEAD, True, False, wall - 10, wall - 20)
+    assert await throttle.take(request(), TWO_PER_SECOND, ticket) is None
+    assert throttle.clock.now == now + RELEASE_AHEAD, "at its moment"
+    assert throttle.bucket.calls == [], "its tokens were reserved before it was parked"
+    assert throttle.stat("delayed") == 1
+    assert throttle.stat("wait_time_max") == pytest.approx(20 + RELEASE_AHEAD), "since first seen"
+
+
+@async_test
+async def test_a_ticket_without_a_reservation_asks_when_it_comes_back() -> None:
+    throttle = Throttle()
+    now, wall = throttle.clock.now, throttle.clock.wall()
+    ticket = Ticket("a.example", now, False, False, wall, wall)
+    assert await throttle.take(request(), TWO_PER_SECOND, ticket) is None
+    assert len(throttle.bucket.calls) == 1
+    assert throttle.stat("delayed") == 1, "a parked request counts as delayed"
+
+
+@async_test
+async def test_a_ticket_back_too_late_for_its_moment_asks_anew() -> None:
+    throttle = Throttle()
+    now, wall = throttle.clock.now, throttle.clock.wall()
+    late = Ticket("a.example", now - 2 * MISSED_AFTER, True, False, wall, wall)
+    assert await throttle.take(request(), TWO_PER_SECOND, late) is None
+    assert throttle.stat("missed_moments") == 1
+    assert len(throttle.bucket.calls) == 1, "a new moment"
+
+
+@async_test
+async def test_a_ticket_back_just_within_missed_after_still_goes() -> None:
+    throttle = Throttle()
+    now, wall = throttle.clock.now, throttle.clock.wall()
+    ticket = Ticket("a.example", now - MISSED_AFTER / 2, True, False, wall, wall)
+    assert await throttle.take(request(), TWO_PER_SECOND, ticket) is None
+    assert throttle.stat("missed_moments") is None
+    assert throttle.bucket.calls == []
+
+
+@async_test
+async def test_a_moment_the_worker_wakes_late_for_is_missed_and_asked_anew() -> None:
+    throttle = Throttle()
+    start = throttle.clock.now
+    throttle.bucket.bucket.acquire("a.example", TWO_PER_SECOND, 1, 60, 1)
+    turn = throttle.start(request(), TWO_PER_SECOND)
+    await throttle.clock.advance(0)
+    assert throttle.clock.sleeping == [start + 0.5]
+    # The process is busy: its timer fires 0.2 s late.
+    throttle.clock.now = start + 0.7
+    await throttle.clock.advance(0)
+    await throttle.clock.run(turn)
+    assert throttle.stat("missed_moments") == 1
+    assert len(throttle.bucket.calls) == 2
+    # The missed moment's token stays spent (the site may have seen another request then):
+    # the new moment is the next free one.
+    assert throttle.clock.now == pytest.approx(start + 1.0)
+
+
+@async_test
+async def test_a_reply_read_late_with_an_allowed_request_asks_anew() -> None:
+    throttle = Throttle()
+    decided = throttle.clock.now - 1.0  # Redis decided 1 s before the reply was read
+    throttle.bucket.answers.append(AcquireResult(True, False, 0.0, 0.0, 0.0, decided_at=decided))
+    assert await throttle.take(request(), TWO_PER_SECOND) is None
+    assert throttle.stat("missed_moments") == 1
+    assert len(throttle.bucket.calls) == 2
+
+
+@async_test
+async def test_a_moment_counts_from_when_redis_decided_not_from_the_reply() -> None:
+    throttle = Throttle()
+    start = throttle.clock.now
+    # Decided 0.03 s before it was read (within MISSED_AFTER), to go 0.5 s after that.
+    throttle.bucket.answers.append(
+        AcquireResult(False, True, 0.0, 0.5, 0.5, decided_at=start - 0.03)
+    )
+    await throttle.take(request(), TWO_PER_SECOND)
+    assert throttle.clock.now == pytest.approx(start + 0.47)
+
+
+@async_test
+async def test_a_pause_heard_while_holding_voids_the_moment_and_it_asks_again() -> None:
+    throttle = Throttle()
+    start = throttle.clock.now
+    throttle.bucket.bucket.acquire("a.example", TWO_PER_SECOND, 1, 60, 1)
+    turn = throttle.start(request(), TWO_PER_SECOND)
+    await throttle.clock.advance(0.1)
+    throttle.pauses.pause("a.example", 5.0)  # its moment (0.5 s) is within it
+    throttle.bucket.answers.append(AcquireResult(False, True, 0.0, 5.0, 5.5))
+    await throttle.clock.advance(0)
+    assert len(throttle.bucket.calls) == 2, "woken at once to ask again"
+    assert throttle.clock.now == pytest.approx(start + 0.1)
+    assert throttle.stat("paused_reservations") == 1
+    await throttle.clock.run(turn)
+    assert throttle.clock.now == pytest.approx(start + 5.1)
+
+
+@async_test
+async def test_a_pause_that_ends_before_the_moment_leaves_it_alone() -> None:
+    throttle = Throttle()
+    start = throttle.clock.now
+    for _ in range(3):
+        throttle.bucket.bucket.acquire("a.example", TWO_PER_SECOND, 1, 60, 1)
+    turn = throttle.start(request(), TWO_PER_SECOND)  # its moment: 1.5 s
+    await throttle.clock.advance(0.1)
+    throttle.pauses.pause("a.example", 1.0)  # until 1.1 s
+    await throttle.clock.run(turn)
+    assert throttle.clock.now == pytest.approx(start + 1.5)
+    assert len(throttle.bucket.calls) == 1
+    assert throttle.stat("paused_reservations") is None
+
+
+@async_test
+async def test_a_pause_of_another_domain_leaves_the_moment_alone() -> None:
+    throttle = Throttle()
+    start = throttle.clock.now
+    throttle.bucket.bucket.acquire("a.example", TWO_PER_SECOND, 1, 60, 1)
+    turn = throttle.start(request(), TWO_PER_SECOND)
+    await throttle.clock.advance(0.1)
+    throttle.pauses.pause("b.example", 5.0)
+    await throttle.clock.run(turn)
+    assert throttle.clock.now == pytest.approx(start + 0.5)
+    assert len(throttle.bucket.calls) == 1
+
+
+@async_test
+async def test_a_moment_reserved_after_a_pause_was_heard_is_not_voided_by_it() -> None:
+    throttle = Throttle()
+    start = throttle.clock.now
+    throttle.pauses.pause("a.example", 5.0)
+    await throttle.clock.advance(0.01)
+    throttle.bucket.bucket.acquire("a.example", TWO_PER_SECOND, 1, 60, 1)
+    await throttle.take(request(), TWO_PER_SECOND)
+    assert throttle.clock.now == pytest.approx(start + 0.51)
+    assert len(throttle.bucket.calls) == 1
+
+
+@async_test
+async def test_a_domain_paused_live_waits_and_asks_again() -> None:
+    throttle = Throttle()
+    start = throttle.clock.now
+    throttle.bucket.answers.append(AcquireResult(False, False, 0.0, 2.0, 0.0, paused=True))
+    await throttle.take(request(), TWO_PER_SECOND)
+    assert throttle.stat("paused_live") == 1
+    assert [at - start for at, _ in throttle.bucket.calls] == [0.0, 2.0]
+
+
+@async_test
+async def test_a_domain_paused_live_for_long_parks_its_request() -> None:
+    throttle = Throttle()
+    throttle.bucket.answers.append(AcquireResult(False, False, 0.0, 2.0, 0.0, paused=True))
+    ticket = await throttle.take(request(), TWO_PER_SECOND, may_park=True)
+    assert ticket is not None
+    assert not ticket.reserved, "nothing was reserved: it asks again then"
+    assert ticket.due == pytest.approx(throttle.clock.now + 2.0)
+
+
+@async_test
+async def test_a_request_refused_beyond_max_reserve_comes_back_before_its_time() -> None:
+    throttle = Throttle(REDIS_THROTTLE_MAX_RESERVE=10)
+    start = throttle.clock.now
+    throttle.bucket.answers.append(AcquireResult(False, False, 0.0, 30.0, 30.0))
+    await throttle.take(request(), TWO_PER_SECOND)
+    # Back when its moment can be reserved: 30 s minus half of MAX_RESERVE.
+    assert [at - start for at, _ in throttle.bucket.calls] == [0.0, 25.0]
+
+
+@async_test
+async def test_a_refusal_within_max_reserve_asks_again_at_the_time_given() -> None:
+    throttle = Throttle(REDIS_THROTTLE_MAX_RESERVE=10)
+    start = throttle.clock.now
+    # A fixed window's room too many windows ahead: near, though not reserved.
+    throttle.bucket.answers.append(AcquireResult(False, False, 0.0, 4.0, 4.0))
+    await throttle.take(request(), TWO_PER_SECOND)
+    assert [at - start for at, _ in throttle.bucket.calls] == [0.0, 4.0]
+
+
+@pytest.mark.parametrize(
+    ("retry_after", "reserved", "due_after"),
+    [
+        (5.0, True, 5.0),  # reserved: due at its moment
+        (5.0, False, 5.0 + RELEASE_AHEAD),  # near but refused: back then, given back early
+    ],
+)
+@async_test
+async def test_a_parked_request_is_due_when_it_can_go_or_ask(
+    retry_after: float, reserved: bool, due_after: float
+) -> None:
+    throttle = Throttle(REDIS_THROTTLE_MAX_RESERVE=10)
+    result = AcquireResult(False, reserved, 0.0, retry_after, retry_after)
+    throttle.bucket.answers.append(result)
+    ticket = await throttle.take(request(), TWO_PER_SECOND, may_park=True)
+    assert ticket is not None
+    assert ticket.reserved is reserved
+    assert ticket.due == pytest.approx(throttle.clock.now + due_after)
+
+
+@async_test
+async def test_a_request_too_far_ahead_to_reserve_parks_until_it_can() -> None:
+    throttle = Throttle(REDIS_THROTTLE_MAX_RESERVE=10)
+    throttle.bucket.answers.append(AcquireResult(False, False, 0.0, 100.0, 100.0))
+    ticket = await throttle.take(request(), TWO_PER_SECOND, may_park=True)
+    assert ticket is not None
+    assert not ticket.reserved
+    # Back within MAX_RESERVE of its time (spread over the last half), RELEASE_AHEAD early.
+    due_in = ticket.due - throttle.clock.now
+    assert 100 + RELEASE_AHEAD - 10 <= due_in <= 100 + RELEASE_AHEAD - 5
+
+
+@async_test
+async def test_paced_locally_a_pause_heard_holds_the_request_back() -> None:
+    throttle = Throttle()
+    start = throttle.clock.now
+    throttle.bucket.shared = False  # the fallback decides: no bucket in Redis holds the pause
+    throttle.pauses.pause("a.example", 3.0)
+    await throttle.take(request(), TWO_PER_SECOND)
+    assert throttle.clock.now == pytest.approx(start + 3.0)
+    assert len(throttle.bucket.calls) == 2, "asked again once the pause ended"
+
+
+@async_test
+async def test_a_reserved_moment_from_another_worker_reads_the_voidings_it_missed() -> None:
+    """A parked request reserved before this worker listened: the last voiding is read from
+    Redis, and one that covers its moment makes it ask again."""
+    throttle = Throttle()
+    now, wall = throttle.clock.now, throttle.clock.wall()
+    throttle.bucket.voiding = (True, Voiding(left=10.0, age=1.0))
+    ticket = Ticket("a.example", now, True, False, wall - 5, wall - 5, elsewhere=True)
+    assert await throttle.take(request(), TWO_PER_SECOND, ticket) is None
+    assert throttle.bucket.voided_reads == 1
+    assert throttle.stat("voidings_read") == 1
+    assert throttle.stat("paused_reservations") == 1
+    assert len(throttle.bucket.calls) == 1, "asked again"
+
+
+@async_test
+async def test_a_voiding_read_that_voids_nothing_lets_the_moment_stand() -> None:
+    throttle = Throttle()
+    now, wall = throttle.clock.now, throttle.clock.wall()
+    ticket = Ticket("a.example", now, True, False, wall - 5, wall - 5, elsewhere=True)
+    assert await throttle.take(request(), TWO_PER_SECOND, ticket) is None
+    assert throttle.bucket.voided_reads == 1
+    assert throttle.bucket.calls == []
+
+
+@pytest.mark.parametrize(("policy", "asks_again"), [(FALLBACK_WAIT, True), (FALLBACK_LOCAL, False)])
+@async_test
+async def test_voidings_redis_cannot_tell_go_by_the_policy(policy: str, asks_again: bool) -> None:
+    throttle = Throttle(REDIS_THROTTLE_ON_REDIS_ERROR=policy)
+    now, wall = throttle.clock.now, throttle.clock.wall()
+    throttle.bucket.voiding = (False, None)
+    ticket = Ticket("a.example", now, True, False, wall - 5, wall - 5, elsewhere=True)
+    assert await throttle.take(request(), TWO_PER_SECOND, ticket) is None
+    assert len(throttle.bucket.calls) == (1 if asks_again else 0)
+
+
+@async_test
+async def test_a_moment_reserved_locally_never_reads_voidings_from_redis() -> None:
+    throttle = Throttle()
+    now, wall = throttle.clock.now, throttle.clock.wall()
+    ticket = Ticket("a.example", now, True, True, wall - 5, wall - 5)
+    assert await throttle.take(request(), TWO_PER_SECOND, ticket) is None
+    assert throttle.bucket.voided_reads == 0
+
+
+@async_test
+async def test_the_adaptive_rate_gets_when_a_request_left() -> None:
+    throttle = Throttle(REDIS_THROTTLE_ADAPTIVE_ENABLED=True)
+    sent = request()
+    throttle.bucket.bucket.acquire("a.example", TWO_PER_SECOND, 1, 60, 1)
+    await throttle.take(sent, TWO_PER_SECOND)
+    assert sent.meta[SENT_META] == throttle.clock.now
+
+
+@async_test
+async def test_without_the_adaptive_rate_nothing_is_written_into_meta() -> None:
+    throttle = Throttle()
+    sent = request()
+    await throttle.take(sent, TWO_PER_SECOND)
+    assert SENT_META not in sent.meta
+
+
+@async_test
+async def test_a_request_cancelled_while_holding_leaves_no_sleep_behind() -> None:
+    throttle = Throttle()
+    throttle.bucket.bucket.acquire("a.example", TWO_PER_SECOND, 1, 60, 1)
+    turn = throttle.start(request(), TWO_PER_SECOND)
+    await throttle.clock.advance(0.1)
+    assert throttle.clock.sleeping
+    turn.cancel()
+    await throttle.clock.advance(0)
+    assert throttle.clock.sleeping == []
+    assert turn.cancelled()
