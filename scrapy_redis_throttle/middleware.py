@@ -27,15 +27,16 @@ from .config import STATS_PREFIX, ThrottleConfig
 from .connection import close, connect
 from .crawl_delay import CrawlDelays
 from .domains import Domains
+from .engine_hooks import attach, engine_scheduler
 from .errors import ThrottleConfigError
 from .gc_freeze import freeze_startup_objects
-from .parking import TICKET_META, ParkingArea, attach, engine_scheduler
 from .penalties import Pauses, parse_retry_after
 from .rates import format_rate
 from .redis_schema import penalty_channel
 from .rejections import Rejections
 from .resilience import ResilientBucket
 from .startup import describe_setup, setup_warnings
+from .tickets import TICKET_META
 from .waiting import SENT_META, Turns
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from scrapy.http import Response
     from typing_extensions import Self
 
+    from .parking import ParkingArea
     from .rates import Limit
 
 logger = logging.getLogger(__name__)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .parking import RedisParking
 from .rates import format_rate
+from .redis_parking import RedisParking
 from .scopes import HOST, IP, PROXY, REGISTRABLE_DOMAIN
 
 if TYPE_CHECKING:

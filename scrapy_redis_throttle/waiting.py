@@ -8,7 +8,8 @@ import random
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .config import FALLBACK_WAIT, STATS_PREFIX
-from .parking import RELEASE_AHEAD, Ticket
+from .parking import RELEASE_AHEAD
+from .tickets import Ticket
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence

@@ -51,7 +51,6 @@ from scrapy_redis_throttle.connection import ThrottleRedis, close, connect, conn
 from scrapy_redis_throttle.control import LiveControl
 from scrapy_redis_throttle.crawl_delay import MIN_CRAWL_DELAY, parse_crawl_delay
 from scrapy_redis_throttle.errors import ThrottleConfigError
-from scrapy_redis_throttle.parking import RedisParking, Ticket, read_member
 from scrapy_redis_throttle.penalties import (
     MAX_RESUBSCRIBE_DELAY,
     MAX_RETRY_AFTER,
@@ -61,12 +60,14 @@ from scrapy_redis_throttle.penalties import (
     parse_retry_after,
 )
 from scrapy_redis_throttle.rates import Limit, normalize_domain, parse_limit
+from scrapy_redis_throttle.redis_parking import RedisParking, read_member
 from scrapy_redis_throttle.redis_schema import bucket_key, penalty_key, rate_key
 from scrapy_redis_throttle.rejections import Rejections
 from scrapy_redis_throttle.request_codec import Unparkable, decode_request, encode_request
 from scrapy_redis_throttle.resilience import ResilientBucket
 from scrapy_redis_throttle.scripts import load_script
 from scrapy_redis_throttle.seals import Seals
+from scrapy_redis_throttle.tickets import Ticket
 
 A, B, C = HOSTS
 

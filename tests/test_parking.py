@@ -45,19 +45,13 @@ from scrapy_redis_throttle.bucket import Reservation
 from scrapy_redis_throttle.clock import Clock
 from scrapy_redis_throttle.connection import connect_url
 from scrapy_redis_throttle.control import LiveControl
-from scrapy_redis_throttle.parking import (
-    MOMENT_AGREES,
-    TICKET_META,
-    MemoryParking,
-    ParkUncertain,
-    RedisParking,
-    Ticket,
-    read_member,
-)
+from scrapy_redis_throttle.parking_stores import MemoryParking
+from scrapy_redis_throttle.redis_parking import ParkUncertain, RedisParking, read_member
 from scrapy_redis_throttle.redis_schema import EPOCH
 from scrapy_redis_throttle.rejections import Rejections
 from scrapy_redis_throttle.scripts import load_script
 from scrapy_redis_throttle.server_clock import ServerClock
+from scrapy_redis_throttle.tickets import MOMENT_AGREES, TICKET_META, Ticket
 
 SLOW, FREE, _ = HOSTS
 

@@ -12,22 +12,17 @@ from scrapy import Request
 from support import async_test
 
 from scrapy_redis_throttle.bucket import Reservation, Unreserved
-from scrapy_redis_throttle.parking import (
-    BUSY_RETRY,
-    RELEASE_AHEAD,
-    TICKET_META,
-    MemoryParking,
-    ParkingArea,
-    Ticket,
-)
+from scrapy_redis_throttle.parking import BUSY_RETRY, RELEASE_AHEAD, ParkingArea
+from scrapy_redis_throttle.parking_stores import MemoryParking
 from scrapy_redis_throttle.request_codec import Unparkable
+from scrapy_redis_throttle.tickets import TICKET_META, Ticket
 
 A, B = "a.example", "b.example"
 RESERVATION = Reservation(after=7_000_000, step=500_000, at=1_000_000)
 
 
 class Yard:
-    """A parking area attached as :func:`.parking.attach` attaches it: the engine's ``crawl()``
+    """A parking area attached as :func:`.engine_hooks.attach` attaches it: the engine's ``crawl()``
     goes to its ``enqueue_request``, and the scheduler's own requests come from
     :attr:`scheduled`."""
 

@@ -12,7 +12,8 @@ from support import async_test
 
 from scrapy_redis_throttle.bucket import AcquireResult, Voiding
 from scrapy_redis_throttle.config import FALLBACK_LOCAL, FALLBACK_WAIT
-from scrapy_redis_throttle.parking import RELEASE_AHEAD, Ticket
+from scrapy_redis_throttle.parking import RELEASE_AHEAD
+from scrapy_redis_throttle.tickets import Ticket
 from scrapy_redis_throttle.waiting import MISSED_AFTER, SENT_META
 
 TWO_PER_SECOND = limit("2/s")

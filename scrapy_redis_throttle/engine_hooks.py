@@ -1,0 +1,212 @@
+"""Where the throttle hooks into Scrapy's engine and scheduler: the parking area and the leases
+are attached to the scheduler the engine runs, whatever its class, by wrapping methods of those
+live objects. Scrapy offers no public hook for these; this module alone reaches for what is not
+public, and it is checked against Scrapy 2.14 to 2.19 and scrapy-redis 0.9.1 (``tox -e min``,
+``py``, ``peers``, ``peers-min``):
+
+* ``engine.scheduler`` (public from Scrapy 2.15), else ``engine._slot.scheduler``;
+* ``engine._slot.remove_request``, the engine's end of a request: a lease is acknowledged there;
+* the scheduler's ``enqueue_request``, ``next_request``, ``has_pending_requests`` and ``close``,
+  and scrapy-redis's ``queue.pop`` and ``idle_before_close``, wrapped on their instances.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import TYPE_CHECKING, Any
+
+from scrapy.utils.defer import deferred_from_coro, maybe_deferred_to_future
+from scrapy_redis.scheduler import Scheduler as ScrapyRedisScheduler
+
+from .connection import connect_url
+from .errors import ThrottleConfigError
+from .leases import LEASE_META, Leases, queue_kind
+from .parking import ParkingArea
+from .parking_stores import MemoryParking
+from .redis_parking import RedisParking
+from .redis_schema import leases_key, lessees_key, moments_key, parking_key
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from redis.asyncio import Redis
+    from scrapy import Request
+    from scrapy.core.scheduler import BaseScheduler
+    from scrapy.crawler import Crawler
+    from twisted.internet.defer import Deferred
+
+    from .clock import Clock
+    from .config import ThrottleConfig
+    from .parking import Unreserve
+    from .rejections import Rejections
+    from .seals import Seals
+
+logger = logging.getLogger(__name__)
+
+# For the plain commands (ZCARD and DEL at the close): the scripts have a connection each.
+PARKING_CONNECTIONS = 1
+
+
+def engine_scheduler(crawler: Crawler) -> BaseScheduler | None:
+    """The scheduler the engine runs (``engine.scheduler`` is public from Scrapy 2.15 on)."""
+    engine = crawler.engine
+    scheduler = getattr(engine, "scheduler", None)
+    if scheduler is None:
+        slot = getattr(engine, "_slot", None)
+        scheduler = getattr(slot, "scheduler", None)
+    return scheduler
+
+
+def attach(
+    crawler: Crawler,
+    config: ThrottleConfig,
+    scheduler: BaseScheduler,
+    rejections: Rejections,
+    clock: Clock,
+    unreserve: Unreserve | None = None,
+    seals: Seals | None = None,
+) -> ParkingArea:
+    """Attach a parking area to the engine's *scheduler*, whatever its class: its
+    ``enqueue_request``, ``next_request``, ``has_pending_requests`` and ``close`` are wrapped
+    on this instance (the engine calls them there), so that parked requests are taken before
+    the scheduler sees them, come back ahead of its own, keep the spider open, and are kept or
+    dropped at its close as its own queue is."""
+    spider = crawler.spider
+    assert spider is not None
+    crawl = config.crawl
+    if isinstance(scheduler, ScrapyRedisScheduler):
+        # In scrapy-redis's Redis, with the queue (not in the throttle's, which may be another):
+        # parked requests are part of the queue and share its fate.
+        queue_key = scheduler.queue_key % {"spider": spider.name}
+        key = parking_key(queue_key)
+        if scheduler.flush_on_start:
+            leased = scheduler.server.scan_iter(leases_key(queue_key, "*"))
+            scheduler.server.delete(key, moments_key(key), lessees_key(queue_key), *leased)
+        if isinstance(crawl.queue_redis, ThrottleConfigError):
+            raise crawl.queue_redis
+        url, params = crawl.queue_redis
+        redis = connect_url(url, params, PARKING_CONNECTIONS)
+        leases = _leases(crawler, scheduler, redis, key, config.lease_ttl, clock)
+        store = RedisParking(redis, key, spider, rejections, clock, leases, seals)
+        # Known from the start, so that the spider neither closes nor idles on a guess (read
+        # synchronously, as scrapy-redis itself reads its queue's length at start).
+        store.parked = int(scheduler.server.zcard(key))
+        area = ParkingArea(
+            crawler,
+            store,
+            keep=bool(scheduler.persist),
+            concurrency=crawl.concurrent_requests,
+            clock=clock,
+            unreserve=unreserve,
+        )
+    else:
+        enqueue = scheduler.enqueue_request
+        # Scrapy's scheduler with JOBDIR keeps its queue on disk: parked requests join it.
+        on_disk = getattr(scheduler, "dqs", None) is not None
+
+        def keep_into(request: Request) -> None:
+            # Its URL is already in the dupefilter's requests.seen: let it through once more.
+            enqueue(request.replace(dont_filter=True))
+
+        area = ParkingArea(
+            crawler,
+            MemoryParking(keep_into, clock),
+            keep=on_disk,
+            concurrency=crawl.concurrent_requests,
+            clock=clock,
+            unreserve=unreserve,
+        )
+    _wrap(scheduler, area)
+    return area
+
+
+def _leases(
+    crawler: Crawler,
+    scheduler: ScrapyRedisScheduler,
+    redis: Redis,
+    parking: str,
+    ttl: float,
+    clock: Clock,
+) -> Leases | None:
+    """Leases on what this worker takes from scrapy-redis's queue and the parking set: its
+    queue's ``pop`` and the engine's end of a request are wrapped on their instances."""
+    queue = scheduler.queue
+    kind = queue_kind(queue)
+    slot: Any = getattr(crawler.engine, "_slot", None)
+    if kind is None or not callable(getattr(slot, "remove_request", None)):
+        logger.warning(
+            "Redis throttle: no leases on the requests of %s (a queue class of scrapy-redis, "
+            "and Scrapy's engine, are needed): a worker that dies loses those it took",
+            type(queue).__name__,
+        )
+        return None
+    leases = Leases(scheduler.server, redis, queue, kind, parking, crawler.stats, ttl, clock)
+    queue.pop = functools.partial(leases.pop, queue.pop)
+    remove_request = slot.remove_request
+
+    def done(request: Request) -> None:
+        leases.acknowledge(request)
+        remove_request(request)
+
+    slot.remove_request = done
+    leases.start()
+    return leases
+
+
+def _wrap(scheduler: BaseScheduler, area: ParkingArea) -> None:
+    enqueue_request = scheduler.enqueue_request
+    next_request = scheduler.next_request
+    has_pending_requests = scheduler.has_pending_requests
+    close: Callable[[str], Deferred[None] | None] | None = getattr(scheduler, "close", None)
+
+    leases = getattr(area.store, "leases", None)
+
+    def enqueue(request: Request) -> bool:
+        taken = area.enqueue_request(request)
+        if taken is not None:
+            return taken
+        # A retry, a redirect or a request given back: once in the queue, the lease it carries
+        # (its original's) goes; popped again, it is leased again.
+        lease = request.meta.pop(LEASE_META, None)
+        queued = enqueue_request(request)
+        if leases is not None:
+            leases.release(lease)
+        return queued
+
+    # scrapy-redis's SCHEDULER_IDLE_BEFORE_CLOSE: with an empty FIFO or LIFO queue, its
+    # next_request blocks the reactor that long (BRPOP) waiting for more, before the spider may
+    # idle. While requests download, wait in the throttle or are parked, the spider cannot idle
+    # anyway, and the block would only delay them (held requests wake late, parked ones come
+    # back late: their moments are missed).
+    idle_before_close = getattr(scheduler, "idle_before_close", None)
+
+    def next_one() -> Request | None:
+        if not (idle_before_close and (area.busy() or area.has_pending_requests())):
+            return area.next_request(next_request)
+        scheduler.idle_before_close = 0  # type: ignore[attr-defined]
+        try:
+            return area.next_request(next_request)
+        finally:
+            scheduler.idle_before_close = idle_before_close  # type: ignore[attr-defined]
+
+    def pending() -> bool:
+        return area.has_pending_requests() or has_pending_requests()
+
+    async def close_both(reason: str) -> None:
+        try:
+            await area.stop()  # first: the scheduler's close may flush or save its queue
+        finally:
+            if close is not None and (result := close(reason)) is not None:
+                await maybe_deferred_to_future(result)
+
+    def closing(reason: str) -> Deferred[None]:
+        return deferred_from_coro(close_both(reason))
+
+    for name, method in (
+        ("enqueue_request", enqueue),
+        ("next_request", next_one),
+        ("has_pending_requests", pending),
+        ("close", closing),
+    ):
+        setattr(scheduler, name, method)
