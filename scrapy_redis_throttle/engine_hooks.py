@@ -182,11 +182,11 @@ def _wrap(scheduler: BaseScheduler, area: ParkingArea) -> None:
     idle_before_close = getattr(scheduler, "idle_before_close", None)
 
     def next_one() -> Request | None:
-        if not (idle_before_close and (area.busy() or area.has_pending_requests())):
-            return area.next_request(next_request)
+        if not (idle_before_close and (area.handoff.busy() or area.has_pending_requests())):
+            return area.handoff.next_request(next_request)
         scheduler.idle_before_close = 0  # type: ignore[attr-defined]
         try:
-            return area.next_request(next_request)
+            return area.handoff.next_request(next_request)
         finally:
             scheduler.idle_before_close = idle_before_close  # type: ignore[attr-defined]
 

@@ -200,7 +200,7 @@ class RedisThrottleMiddleware:
     async def process_request(self, request: Request) -> Request | None:
         stats = self.stats
         may_park, ticket = (
-            (False, None) if self.parking is None else self.parking.handed_out(request)
+            (False, None) if self.parking is None else self.parking.handoff.handed_out(request)
         )
         if request.meta.get("dont_redis_throttle"):
             stats.inc_value(f"{STATS_PREFIX}/skipped")

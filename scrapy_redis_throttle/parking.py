@@ -28,15 +28,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from dataclasses import replace
 from typing import TYPE_CHECKING
-from weakref import WeakKeyDictionary, WeakSet
 
 from redis.exceptions import RedisError
 
 from .clock import sleep_or_wake
 from .config import STATS_PREFIX
+from .handoff import Handoff
 from .leases import LEASE_META, Leases
 from .redis_parking import ParkUncertain
 from .request_codec import Unparkable
@@ -47,10 +46,11 @@ if TYPE_CHECKING:
 
     from scrapy import Request
     from scrapy.crawler import Crawler
+    from scrapy.statscollectors import StatsCollector
 
     from .bucket import Reservation, Unreserved
     from .clock import Clock
-    from .parking_stores import Parked, ParkingStore
+    from .parking_stores import ParkingStore
 
     Unreserve = Callable[[str, list[Reservation]], Awaitable[Unreserved | None]]
     """Gives a domain's bucket back reservations (:meth:`.ResilientBucket.unreserve`):
@@ -61,7 +61,6 @@ logger = logging.getLogger(__name__)
 # Give parked requests back this long before they are due: the middleware holds them for the
 # rest, so that they leave exactly on time however busy the engine is.
 RELEASE_AHEAD = 0.5
-RELEASE_BATCH = 32
 # The least time between two looks for due requests: those due meanwhile are given back
 # together, still at least RELEASE_AHEAD - LOOK_INTERVAL early (with one look per request due,
 # the parking area cost ~1.6 Redis calls per request more at 35 requests/s: bench/binding.py).
@@ -91,13 +90,7 @@ class ParkingArea:
         self.leases: Leases | None = getattr(store, "leases", None)
         self._crawler = crawler
         self._keep = keep
-        self._ready: deque[Parked] = deque()
-        # Requests given back through engine.crawl(), until they reach enqueue_request...
-        self._giving_back: WeakKeyDictionary[Request, Ticket] = WeakKeyDictionary()
-        # ...and those the engine took, until the middleware sees them (see handed_out).
-        self._handed: WeakKeyDictionary[Request, Ticket | None] = WeakKeyDictionary()
-        # Given back because their parking failed: not parked again (it would fail again).
-        self._unparkable: WeakSet[Request] = WeakSet()
+        self.handoff = Handoff(crawler)
         self._parking_tasks: set[asyncio.Task[None]] = set()
         self._wake_up = asyncio.Event()
         self._stopping = False
@@ -126,9 +119,7 @@ class ParkingArea:
     def enqueue_request(self, request: Request) -> bool | None:
         """Take *request* if it comes from the throttle or the parking area (True); None: it
         is the scheduler's."""
-        released = self._giving_back.pop(request, None)
-        if released is not None:  # given back by _release_loop, through engine.crawl()
-            self._ready.append((request, released))
+        if self.handoff.take(request):  # given back by _release_loop, through engine.crawl()
             return True
         ticket = request.meta.get(TICKET_META)
         if not isinstance(ticket, Ticket):
@@ -141,38 +132,9 @@ class ParkingArea:
         task.add_done_callback(self._parking_tasks.discard)
         return True
 
-    def next_request(self, scheduler_next: Callable[[], Request | None]) -> Request | None:
-        """A request given back, else the scheduler's next (*scheduler_next*), marked as
-        handed out (see :meth:`handed_out`)."""
-        if self._ready:
-            request, ticket = self._ready.popleft()
-            self._handed[request] = ticket
-            return request
-        scheduled = scheduler_next()
-        if scheduled is not None:
-            self._handed[scheduled] = None
-        return scheduled
-
-    def handed_out(self, request: Request) -> tuple[bool, Ticket | None]:
-        """Whether the engine took *request* from the scheduler or the parking area (only
-        such a request may be parked), and its ticket if it is back from the parking area.
-        Asked once per request, by the middleware."""
-        if request not in self._handed:
-            return False, None
-        ticket = self._handed.pop(request)
-        if request in self._unparkable:
-            self._unparkable.discard(request)
-            return False, ticket
-        return True, ticket
-
-    def busy(self) -> bool:
-        """Whether requests are in the downloader (downloading, or waiting in the throttle)."""
-        engine = self._crawler.engine
-        return bool(engine and engine.downloader.active)
-
     def has_pending_requests(self) -> bool:
         return (
-            bool(self._ready or self._parking_tasks or self.store.parked)
+            bool(self.handoff or self._parking_tasks or self.store.parked)
             or self._wake_up.is_set()  # a park that the parked count may not show yet
             or (self.leases is not None and not self.leases.looked)
         )
@@ -191,8 +153,7 @@ class ParkingArea:
                     error,
                     STATS_PREFIX,
                 )
-            self._unparkable.add(request)
-            self._give_back(request, ticket)
+            self.handoff.give_back(request, ticket, unparkable=True)
             return
         except Exception as error:
             # Not lost: the middleware holds it until its moment instead; or, when the park may
@@ -200,10 +161,9 @@ class ParkingArea:
             logger.exception(
                 "Redis throttle: could not park %s; it waits in the downloader", request
             )
-            self._unparkable.add(request)
             if isinstance(error, ParkUncertain):
                 ticket = replace(ticket, reserved=False, reservation=None)
-            self._give_back(request, ticket)
+            self.handoff.give_back(request, ticket, unparkable=True)
             return
         self._parks_done += 1
         self._crawler.stats.inc_value(f"{STATS_PREFIX}/parked")
@@ -223,38 +183,6 @@ class ParkingArea:
             raise
         if self.leases is not None:
             self.leases.release(lease)
-
-    def _give_back(self, request: Request, ticket: Ticket) -> None:
-        # engine.crawl() queues it (enqueue_request above) and wakes the engine up.
-        self._giving_back[request] = ticket
-        try:
-            self._crawler.engine.crawl(request)
-        except Exception:
-            logger.exception("Redis throttle: could not give back %s", request)
-            # Not lost: the engine takes it from there when it next asks for a request.
-            self._giving_back.pop(request, None)
-            self._ready.append((request, ticket))
-            return
-        if self._giving_back.pop(request, None) is not None:
-            # A request_scheduled handler dropped it (IgnoreRequest) before the scheduler saw it.
-            self._crawler.stats.inc_value(f"{STATS_PREFIX}/parked_dropped")
-            logger.warning(
-                "Redis throttle: %s, back from the parking area, was dropped by a "
-                "request_scheduled handler",
-                request,
-            )
-
-    def _room(self) -> int:
-        """How many requests the engine could start now: take no more than that out of the
-        parking area, or they would miss their moment here while another worker has room."""
-        engine = self._crawler.engine
-        try:
-            if engine.needs_backout():
-                return 0
-        except (AssertionError, AttributeError):  # the engine is still opening the spider
-            return 0
-        free = self._concurrency - len(engine.downloader.active) - len(self._ready)
-        return min(max(free, 0), RELEASE_BATCH)
 
     async def _release_loop(self) -> None:
         # Stopped by a flag, not by cancelling: a cancellation can get lost.
@@ -299,7 +227,7 @@ class ParkingArea:
 
     async def _release_due(self) -> float:
         """Give back what is due and there is room for; return how long to wait until next."""
-        room = self._room()
+        room = self.handoff.room(self._concurrency)
         if not room:
             return BUSY_RETRY
         parks_before = self._parks_done
@@ -328,9 +256,9 @@ class ParkingArea:
             self._wake_up.set()  # a park crossed this look: look again, its count may be missing
         for request, ticket in due:
             if self._stopping:  # the engine is closing: park them again in stop()
-                self._ready.append((request, ticket))
+                self.handoff.hold(request, ticket)
             else:
-                self._give_back(request, ticket)
+                self.handoff.give_back(request, ticket)
         if len(due) == room:
             return 0.0
         timeout = self.store.poll_interval or 1.0
@@ -353,8 +281,7 @@ class ParkingArea:
         unused: list[Unused] = []
         # Given back but not yet taken by the engine: park them again, due at once, to ask
         # anew (their moments are too close to wait parked for).
-        while self._ready:
-            request, ticket = self._ready.popleft()
+        for request, ticket in self.handoff.take_all():
             if (reservation := unused_reservation(ticket)) is not None:
                 unused.append(reservation)
             now = self._clock.monotonic()
@@ -371,7 +298,7 @@ class ParkingArea:
         except Exception:
             logger.exception("Redis throttle: could not close the parking area")
             parked, dropped = 0, []
-        await self._give_back_reservations([*unused, *dropped])
+        await give_back_reservations([*unused, *dropped], self._unreserve, self._crawler.stats)
         if self._keep and parked:
             logger.info("Redis throttle: %d parked requests are kept for the next run", parked)
         not_crawled = lost + (0 if self._keep else parked)
@@ -383,32 +310,34 @@ class ParkingArea:
                 not_crawled,
             )
 
-    async def _give_back_reservations(self, unused: list[Unused]) -> None:
-        """Give the buckets back the moments reserved for requests that will not go at them
-        (see :meth:`.TokenBucket.unreserve`): a fleet that starts again does not wait for
-        them."""
-        if not unused or self._unreserve is None:
-            return
-        by_domain: dict[str, list[Reservation]] = {}
-        for domain, reservation in unused:
-            by_domain.setdefault(domain, []).append(reservation)
-        taken = set_aside = 0
-        for domain, reservations in by_domain.items():
-            try:
-                done = await self._unreserve(domain, reservations)
-            except Exception:  # (a bug: the other domains' and the close's work must go on)
-                logger.exception("Redis throttle: could not give back moments of %r", domain)
-                continue
-            if done is not None:
-                taken, set_aside = taken + done.taken, set_aside + done.set_aside
-        stats = self._crawler.stats
-        if taken:
-            stats.inc_value(f"{STATS_PREFIX}/unreserved", taken)
-        if set_aside:
-            stats.inc_value(f"{STATS_PREFIX}/unreserved_set_aside", set_aside)
-        logger.info(
-            "Redis throttle: of %(unused)d moments reserved for requests that will not go at "
-            "them, %(taken)d were given back to their buckets and %(set_aside)d set aside "
-            "until the moments after them are given back too",
-            {"unused": len(unused), "taken": taken, "set_aside": set_aside},
-        )
+
+async def give_back_reservations(
+    unused: list[Unused], unreserve: Unreserve | None, stats: StatsCollector
+) -> None:
+    """Give the buckets back the moments reserved for requests that will not go at them
+    (*unreserve*, see :meth:`.TokenBucket.unreserve`): a fleet that starts again does not wait
+    for them."""
+    if not unused or unreserve is None:
+        return
+    by_domain: dict[str, list[Reservation]] = {}
+    for domain, reservation in unused:
+        by_domain.setdefault(domain, []).append(reservation)
+    taken = set_aside = 0
+    for domain, reservations in by_domain.items():
+        try:
+            done = await unreserve(domain, reservations)
+        except Exception:  # (a bug: the other domains' and the close's work must go on)
+            logger.exception("Redis throttle: could not give back moments of %r", domain)
+            continue
+        if done is not None:
+            taken, set_aside = taken + done.taken, set_aside + done.set_aside
+    if taken:
+        stats.inc_value(f"{STATS_PREFIX}/unreserved", taken)
+    if set_aside:
+        stats.inc_value(f"{STATS_PREFIX}/unreserved_set_aside", set_aside)
+    logger.info(
+        "Redis throttle: of %(unused)d moments reserved for requests that will not go at "
+        "them, %(taken)d were given back to their buckets and %(set_aside)d set aside "
+        "until the moments after them are given back too",
+        {"unused": len(unused), "taken": taken, "set_aside": set_aside},
+    )

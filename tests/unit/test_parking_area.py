@@ -61,7 +61,7 @@ class Yard:
         return request
 
     def next_request(self) -> Request | None:
-        return self.area.next_request(lambda: self.scheduled.pop(0) if self.scheduled else None)
+        return self.area.handoff.next_request(lambda: self.scheduled.pop(0) if self.scheduled else None)
 
     def stat(self, name: str) -> Any:
         return self.crawler.stats.get_value(f"redis_throttle/{name}")
@@ -101,7 +101,7 @@ async def test_a_parked_request_comes_back_release_ahead_before_it_is_due(due_in
     assert back_at[0] == pytest.approx(max(0.0, due_in - RELEASE_AHEAD), abs=0.011)
     assert yard.crawler.engine.crawled == [request]
     assert yard.next_request() is request
-    assert yard.area.handed_out(request) == (True, ticket), "with its ticket, beside it"
+    assert yard.area.handoff.handed_out(request) == (True, ticket), "with its ticket, beside it"
     assert yard.store.parked == 0
 
 
@@ -124,7 +124,7 @@ async def test_requests_given_back_go_before_the_schedulers_own() -> None:
     await yard.clock.advance(0.2)
     assert yard.next_request() is parked
     assert yard.next_request() is own
-    assert yard.area.handed_out(own) == (True, None), "the scheduler's: it may be parked"
+    assert yard.area.handoff.handed_out(own) == (True, None), "the scheduler's: it may be parked"
 
 
 @async_test
@@ -133,10 +133,10 @@ async def test_handed_out_answers_once_and_only_for_what_was_handed_out() -> Non
     own = Request("http://b.example/own")
     yard.scheduled.append(own)
     assert yard.next_request() is own
-    assert yard.area.handed_out(own) == (True, None)
-    assert yard.area.handed_out(own) == (False, None), "asked once per request"
+    assert yard.area.handoff.handed_out(own) == (True, None)
+    assert yard.area.handoff.handed_out(own) == (False, None), "asked once per request"
     direct = Request("http://a.example/robots.txt")  # engine.download_async(): never parked
-    assert yard.area.handed_out(direct) == (False, None)
+    assert yard.area.handoff.handed_out(direct) == (False, None)
 
 
 @async_test
@@ -190,7 +190,7 @@ async def test_a_voiding_brings_back_what_it_voids_to_ask_again() -> None:
     await yard.clock.advance(0)
     assert yard.crawler.engine.crawled == [voided], "back at once"
     assert yard.next_request() is voided
-    handed, ticket = yard.area.handed_out(voided)
+    handed, ticket = yard.area.handoff.handed_out(voided)
     assert handed
     assert ticket is not None
     assert not ticket.reserved, "it asks again"
@@ -273,7 +273,7 @@ async def test_a_request_that_cannot_be_parked_waits_in_the_downloader() -> None
     await yard.clock.advance(0)
     assert yard.stat("unparkable") == 1
     assert yard.next_request() is request
-    assert yard.area.handed_out(request) == (False, ticket), "not parked again: it holds"
+    assert yard.area.handoff.handed_out(request) == (False, ticket), "not parked again: it holds"
 
 
 @async_test
@@ -287,7 +287,7 @@ async def test_a_park_that_fails_otherwise_holds_the_request_too() -> None:
     request = yard.park(yard.ticket(5.0))
     await yard.clock.advance(0)
     assert yard.next_request() is request
-    assert yard.area.handed_out(request)[0] is False
+    assert yard.area.handoff.handed_out(request)[0] is False
     assert yard.stat("parked") is None
 
 
