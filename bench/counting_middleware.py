@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from scrapy.crawler import Crawler
     from scrapy.http import Response
 
-    from scrapy_redis_throttle.resilience import Grant
+    from scrapy_redis_throttle.fallback import Grant
 
 CALLS_META = "bench_redis_calls"
 # The calls of the request whose process_request is running (each runs in its own context).

@@ -110,7 +110,7 @@ class RedisThrottleMiddleware:
             penalty_channel(self.config.key_prefix),
             crawler.stats,
             self._log_extra,
-            forget=self.budget.local.forget,
+            forget=self.budget.fallback.local.forget,
             release_parked=self._release_parked,
             # No pause is longer, nor any moment further ahead.
             longest=max(self.config.backoff.longest, self.config.max_reserve),

@@ -44,7 +44,7 @@ def describe_setup(middleware: RedisThrottleMiddleware) -> list[str]:
         + f", REDIS_THROTTLE_SCOPE) shared in {config.redis_location} (key prefix "
         f"{config.key_prefix!r}); {waiting}; "
         + (f"a {codes} pauses its domain for every worker; " if codes else "")
-        + f"if Redis fails, {middleware.budget.describe_policy()}",
+        + f"if Redis fails, {middleware.budget.fallback.describe()}",
         "limits:\n  " + "\n  ".join(config.limits.describe()),
     ]
     crawl_delay = middleware.crawl_delays.describe()

@@ -21,9 +21,9 @@ if TYPE_CHECKING:
     from .bucket import Voiding
     from .clock import Clock
     from .config import ThrottleConfig
+    from .fallback import Grant
     from .penalties import Pauses
     from .rates import Limit
-    from .resilience import Grant
     from .server_clock import ServerClock
 
 logger = logging.getLogger(__name__)

@@ -66,7 +66,7 @@ async def test_tokens_taken_locally_are_told_by_every_call(own_redis: RedisServe
     limit = Limit(10, 1, "10/s")
     async with own_budget(own_redis, REDIS_THROTTLE_MAX_RESERVE=1) as budget:
         for _ in range(30):  # 3 s of tokens, as the fallback gives them out
-            budget.local.acquire("a.example", limit, 1, reserve=5, workers=1)
+            budget.fallback.local.acquire("a.example", limit, 1, reserve=5, workers=1)
         first, second = [(await budget.acquire("a.example", limit, 1)).result for _ in range(2)]
     for result in first, second:
         assert not result.allowed, result

@@ -40,9 +40,9 @@ from support import (
 from scrapy_redis_throttle import ThrottleConfig, ThrottleConfigError
 from scrapy_redis_throttle.bucket import TokenBucket
 from scrapy_redis_throttle.control import LiveControl
+from scrapy_redis_throttle.local_buckets import LocalBuckets
 from scrapy_redis_throttle.rates import Limit
 from scrapy_redis_throttle.redis_schema import bucket_key
-from scrapy_redis_throttle.resilience import LocalBuckets
 from scrapy_redis_throttle.scopes import HOST as HOST_SCOPE
 from scrapy_redis_throttle.scopes import MAX_SCOPES, REGISTRABLE_DOMAIN, proxy_name
 from scrapy_redis_throttle.scopes import PROXY as PROXY_SCOPE

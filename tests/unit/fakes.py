@@ -23,9 +23,11 @@ from scrapy_redis_throttle.activity import Activity
 from scrapy_redis_throttle.bucket import AcquireResult, Voiding
 from scrapy_redis_throttle.clock import Clock
 from scrapy_redis_throttle.config import ThrottleConfig
+from scrapy_redis_throttle.fallback import Grant
+from scrapy_redis_throttle.local_buckets import LocalBuckets
 from scrapy_redis_throttle.penalties import Pauses
 from scrapy_redis_throttle.rates import Limit, parse_limit
-from scrapy_redis_throttle.resilience import Grant, LocalBuckets, ResilientBucket
+from scrapy_redis_throttle.resilience import ResilientBucket
 from scrapy_redis_throttle.server_clock import ServerClock
 from scrapy_redis_throttle.tickets import Ticket
 from scrapy_redis_throttle.waiting import Turns

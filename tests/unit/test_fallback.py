@@ -1,4 +1,4 @@
-"""What the throttle decides while Redis fails (:mod:`.resilience`): the breaker and its probe,
+"""What the throttle decides while Redis fails (:mod:`.resilience`, :mod:`.fallback`): the breaker and its probe,
 each worker's share of the rates, the other policies, and the handover back to Redis; on a
 fake clock and a stand-in for the scripts' calls that fails when told to."""
 
@@ -10,15 +10,13 @@ import pytest
 from fakes import FakeClock, limit, resilient_bucket
 from support import async_test
 
-from scrapy_redis_throttle import resilience
+from scrapy_redis_throttle import local_buckets
+from scrapy_redis_throttle.breaker import CircuitBreaker
 from scrapy_redis_throttle.bucket import AcquireResult
 from scrapy_redis_throttle.config import FALLBACK_LOCAL, FALLBACK_OPEN, FALLBACK_WAIT
+from scrapy_redis_throttle.local_buckets import LocalBuckets
 from scrapy_redis_throttle.rates import Limit
-from scrapy_redis_throttle.resilience import (
-    FIRST_PROBE_DELAY,
-    CircuitBreaker,
-    LocalBuckets,
-)
+from scrapy_redis_throttle.resilience import FIRST_PROBE_DELAY
 
 A = "a.example"
 TEN_PER_SECOND = limit("10/s")
@@ -129,7 +127,7 @@ def test_only_tokens_taken_locally_are_told_to_redis_once() -> None:
 
 
 def test_local_buckets_forget_full_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(resilience, "LOCAL_PRUNE_SIZE", 100)
+    monkeypatch.setattr(local_buckets, "LOCAL_PRUNE_SIZE", 100)
     clock = FakeClock()
     local = LocalBuckets(clock.monotonic)
     limit = Limit(1, 1, "1/s")
@@ -331,4 +329,4 @@ def test_the_policy_says_what_requests_do_while_redis_fails(
     if workers is not None:
         settings["REDIS_THROTTLE_FALLBACK_WORKERS"] = workers
     bucket, _, _ = resilient_bucket(FakeClock(), fleet, **settings)
-    assert said in bucket.describe_policy()
+    assert said in bucket.fallback.describe()

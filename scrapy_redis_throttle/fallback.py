@@ -1,0 +1,189 @@
+"""What requests get while the throttle's Redis fails, by ``REDIS_THROTTLE_ON_REDIS_ERROR``:
+
+* ``"local"`` (default): each domain is paced in this process, at its rate (and burst)
+  divided by the number of workers that were live in Redis just before it failed (see
+  :attr:`.Activity.fleet_size`; ``REDIS_THROTTLE_FALLBACK_WORKERS`` overrides it), starting
+  where the shared bucket was last seen, so that the fleet together keeps the limit. A worker
+  that never reached Redis does not know the fleet's size: its requests wait for Redis;
+* ``"open"``: requests go unthrottled;
+* ``"wait"``: requests wait until Redis answers again.
+
+Once Redis is back, under ``"local"``, requests keep to this worker's share for one more
+``REDIS_THROTTLE_PROBE_INTERVAL`` (the handover, see :meth:`Fallback.handover_wait`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .bucket import AcquireResult
+from .config import FALLBACK_LOCAL, FALLBACK_OPEN, STATS_PREFIX
+from .local_buckets import LocalBuckets
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from redis.exceptions import RedisError
+    from scrapy.statscollectors import StatsCollector
+
+    from .clock import Clock
+    from .config import ThrottleConfig
+    from .rates import Limit
+
+logger = logging.getLogger(__name__)
+
+_ALLOWED = AcquireResult(allowed=True, reserved=False, tokens_left=0, retry_after=0, reset_after=0)
+
+
+def later(seconds: float) -> AcquireResult:
+    """Nothing reserved: ask again in *seconds* (held or parked meanwhile)."""
+    return AcquireResult(False, False, 0.0, seconds, 0.0, paused=True)
+
+
+@dataclass(frozen=True)
+class Grant:
+    """The answer to one acquire, and who gave it."""
+
+    result: AcquireResult
+    shared: bool
+    """Decided by Redis (else by the fallback policy)."""
+    waited_for_redis: bool = False
+    handover: bool = False
+    """A wait for this worker's share right after an outage (see
+    :meth:`Fallback.handover_wait`)."""
+
+
+class Fallback:
+    """The fallback policy of *config*, for a worker in a fleet of *fleet_size* workers."""
+
+    def __init__(
+        self,
+        config: ThrottleConfig,
+        stats: StatsCollector,
+        log_extra: Callable[[], dict[str, Any]],
+        clock: Clock,
+        fleet_size: Callable[[], int | None],
+    ) -> None:
+        self._config = config
+        self._stats = stats
+        self._log_extra = log_extra
+        self._clock = clock
+        self._fleet_size = fleet_size
+        self.local = LocalBuckets(clock.monotonic)
+        """This worker's pace alone, following Redis's while it answers."""
+        # Until then (monotonic time), after an outage, requests also keep to this worker's
+        # share, in buckets of their own: the other workers may still pace alone.
+        self._handover_until = 0.0
+        self._handover = LocalBuckets(clock.monotonic)
+
+    def decide(
+        self, domain: str, limit: Limit, cost: float, others: Sequence[tuple[str, Limit]]
+    ) -> Grant | None:
+        """The decision for a request while Redis fails (None: it waits for Redis)."""
+        policy = self._config.on_redis_error
+        if policy == FALLBACK_LOCAL:
+            return self.paced_alone(domain, limit, cost, others)
+        if policy == FALLBACK_OPEN:
+            self._stats.inc_value(f"{STATS_PREFIX}/fallback/open")
+            return Grant(_ALLOWED, shared=False)
+        return None
+
+    def paced_alone(
+        self, domain: str, limit: Limit, cost: float, others: Sequence[tuple[str, Limit]]
+    ) -> Grant:
+        """A decision of this worker alone: its share of *domain*'s rate (and of its other
+        scopes')."""
+        workers = self.workers()
+        if workers is not None:
+            self._stats.inc_value(f"{STATS_PREFIX}/fallback/local")
+            result = self.local.acquire(
+                domain, limit, cost, self._config.max_reserve, workers, others
+            )
+            return Grant(result, shared=False)
+        # The fleet's size is not known, nor this worker's share: it sends nothing until Redis
+        # answers, and asks again after the longest probe delay (parked meanwhile when that is
+        # over REDIS_THROTTLE_MAX_HOLD, as by default, so that it holds no download slot and a
+        # close is not delayed).
+        self._stats.inc_value(f"{STATS_PREFIX}/fallback/unknown_fleet")
+        return Grant(later(self._config.probe_interval), shared=False)
+
+    def handover_wait(
+        self, domain: str, limit: Limit, cost: float, others: Sequence[tuple[str, Limit]]
+    ) -> float:
+        """Right after an outage, how long a request must wait for this worker's share (0: it
+        may ask Redis now, and its share is taken). Redis is back for this worker, but another
+        one may not have noticed yet (its next probe may be up to
+        REDIS_THROTTLE_PROBE_INTERVAL away) and still paces alone at its share, unknown to
+        Redis: keeping to its own share meanwhile, this one leaves the other's to it, and
+        together they stay within the rate. The share's buckets are this worker's alone:
+        neither told to Redis nor following it, so that they hold back no other worker."""
+        workers = self.workers()
+        if workers is None or self._clock.monotonic() >= self._handover_until:
+            return 0.0
+        share = self._handover.acquire(domain, limit, cost, 0.0, workers, others)
+        if share.allowed:
+            return 0.0
+        self._stats.inc_value(f"{STATS_PREFIX}/handover_waits")
+        return share.retry_after
+
+    def workers(self) -> int | None:
+        """The ``"local"`` policy's divisor: the setting, else the fleet's size as last seen."""
+        return self._config.fallback_workers or self._fleet_size()
+
+    def redis_failed(self, exc: RedisError) -> None:
+        """Redis failed (the breaker opened)."""
+        # Once it is back, every bucket still busy is told again: it may have lost them.
+        self.local.tell_again()
+        self._stats.inc_value(f"{STATS_PREFIX}/outages")
+        logger.warning(
+            "Redis throttle: Redis at %s is unavailable (%s: %s); %s",
+            self._config.redis_location,
+            type(exc).__name__,
+            exc,
+            self.describe(),
+            extra=self._log_extra(),
+        )
+
+    def redis_back(self, outage: float) -> None:
+        """Redis answers again after *outage* seconds (the breaker closed)."""
+        if self._config.on_redis_error == FALLBACK_LOCAL:
+            self._handover_until = self._clock.monotonic() + self._config.probe_interval
+            # Each share goes on from where this worker's pace alone was: no new burst.
+            self._handover = self.local.snapshot()
+        self.count_outage(outage)
+        logger.info(
+            "Redis throttle: Redis at %s is back after %.1f s; limits are shared again",
+            self._config.redis_location,
+            outage,
+            extra=self._log_extra(),
+        )
+
+    def count_outage(self, seconds: float) -> None:
+        """Add *seconds* of an outage to ``redis_throttle/fallback_time``."""
+        key = f"{STATS_PREFIX}/fallback_time"
+        self._stats.set_value(key, self._stats.get_value(key, 0.0) + seconds)
+
+    def describe(self) -> str:
+        """What requests do while Redis fails, for the logs."""
+        policy = self._config.on_redis_error
+        if policy == FALLBACK_LOCAL:
+            if self._config.fallback_workers is not None:
+                return (
+                    f"each domain is paced in this process at 1/{self._config.fallback_workers} "
+                    f"of its rate (REDIS_THROTTLE_FALLBACK_WORKERS) until it is back"
+                )
+            workers = self._fleet_size()
+            if workers is None:
+                return (
+                    "throttled requests wait until it is back (this worker has not seen the "
+                    "fleet's size, so it knows no share of the rates to pace alone)"
+                )
+            return (
+                f"each domain is paced in this process at 1/{workers} of its rate (the "
+                f"{workers} worker{'s' if workers != 1 else ''} last seen live) until it is back"
+            )
+        if policy == FALLBACK_OPEN:
+            return "requests go unthrottled until it is back"
+        return "throttled requests wait until it is back"
