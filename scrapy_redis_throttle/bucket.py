@@ -5,10 +5,8 @@ from __future__ import annotations
 import asyncio
 import secrets
 from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any, NamedTuple
-
-from redis.crc import key_slot
 
 from .across_nodes import AcrossNodes
 from .connection import ClusterClient
@@ -29,15 +27,14 @@ from .redis_schema import (
     void_key,
 )
 from .scripts import lua_script
-from .server_clock import ServerClock
+from .server_clock import ServerClocks
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from redis.asyncio.cluster import ClusterNode
-
     from .config import Adaptive, Backoff
     from .connection import ThrottleRedis
+    from .server_clock import ServerClock
 
 
 class Reservation(NamedTuple):
@@ -237,11 +234,7 @@ class TokenBucket:
         self._adaptive = adaptive
         self._live_quotas: set[str] = set()
         """Domains whose limit set live has quotas (or had)."""
-        self._clock = ServerClock()
-        """Redis's clock, from the acquires' replies (one Redis)."""
-        self._node_clocks: dict[str, ServerClock] = {}
-        """On a Redis Cluster, each primary's, by its address (see :meth:`clock`): as many as
-        the cluster has told of, at most one per slot."""
+        self._clocks = ServerClocks(redis)
         self._script = lua_script(redis, "token_bucket.lua")
         self._penalty_script = lua_script(redis, "penalty.lua")
         self._slow_down_script = lua_script(redis, "slow_down.lua")
@@ -297,7 +290,7 @@ class TokenBucket:
             keys += [bucket_key(self._key_prefix, name) for name, _, _ in others]
         else:
             keys = [key, key + RATE_SUFFIX] if self._adaptive else [key]
-        clock = await self._known_clock(key)
+        clock = await self._clocks.known(key)
         # Moments by the node's clock: one a call reaches late is the same moment.
         args = script_args(
             limit,
@@ -324,43 +317,12 @@ class TokenBucket:
         return parse_reply(reply, limit, clock.decided_at(sent, read, reply[3]))
 
     def server_clock(self, domain: str) -> ServerClock:
-        """Redis's clock as *domain*'s bucket sees it. On a Redis Cluster, that of the primary
-        that serves the bucket's slot, as the cluster last said: each node has its own clock,
-        and a moment one gave is read by its clock alone (a reply from another node, the slot
-        moved, starts the clock again, see :class:`.ServerClock`)."""
-        if not isinstance(self._redis, ClusterClient):
-            return self._clock
-        key = bucket_key(self._key_prefix, domain)
-        primary = self._redis.known_primary_for(key_slot(key.encode()))
-        return ServerClock() if primary is None else self._node_clock(primary)
+        """Redis's clock as *domain*'s bucket sees it (see :meth:`.ServerClocks.of`)."""
+        return self._clocks.of(bucket_key(self._key_prefix, domain))
 
     async def read_time(self) -> None:
-        """Learn Redis's clock before the first requests (see :meth:`.ServerClock.follow`),
-        each primary's on a Redis Cluster: a clock learned at their first call would let the
-        requests that come meanwhile wait for it."""
-        if not isinstance(self._redis, ClusterClient):
-            await self._clock.follow(self._redis.time)
-            return
-        await self._redis.initialize()
-        for primary in self._redis.get_primaries():
-            await self._node_clock(primary).follow(partial(self._redis.time, target_nodes=primary))
-
-    async def _known_clock(self, key: str) -> ServerClock:
-        """The clock of the bucket *key* (see :meth:`clock`), read first from Redis's
-        ``TIME`` if it knows no recent bounds (see :meth:`.ServerClock.follow`)."""
-        if not isinstance(self._redis, ClusterClient):
-            await self._clock.follow(self._redis.time)
-            return self._clock
-        primary = await self._redis.primary_for(key_slot(key.encode()))
-        clock = self._node_clock(primary)
-        await clock.follow(partial(self._redis.time, target_nodes=primary))
-        return clock
-
-    def _node_clock(self, node: ClusterNode) -> ServerClock:
-        clock = self._node_clocks.get(node.name)
-        if clock is None:
-            clock = self._node_clocks[node.name] = ServerClock()
-        return clock
+        """Learn Redis's clock before the first requests (see :meth:`.ServerClocks.read`)."""
+        await self._clocks.read()
 
     async def penalize(
         self, domain: str, limit: Limit, retry_after: float | None, backoff: Backoff

@@ -10,12 +10,20 @@ site saw its request squeezed against the next one, placed on time by another re
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from redis.crc import key_slot
+
+from .connection import ClusterClient
 from .redis_schema import server_micros
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
+
+    from redis.asyncio.cluster import ClusterNode
+
+    from .connection import ThrottleRedis
 
     # Reads Redis's TIME (seconds, microseconds): Redis.time, or a cluster node's.
     ServerTime = Callable[[], Awaitable[Any]]
@@ -135,3 +143,50 @@ class ServerClock:
             min(upper for upper, _ in self._generations),
             max(lower for _, lower in self._generations),
         )
+
+
+class ServerClocks:
+    """The clock of each Redis the buckets are on: one, or each primary of a Redis Cluster,
+    by its address (as many as the cluster has told of, at most one per slot). Each node has
+    its own clock, and a moment one gave is read by its clock alone (a reply from another
+    node, the slot moved, starts the clock again)."""
+
+    def __init__(self, redis: ThrottleRedis) -> None:
+        self._redis = redis
+        self._clock = ServerClock()
+        self._node_clocks: dict[str, ServerClock] = {}
+
+    def of(self, key: str) -> ServerClock:
+        """The clock of the bucket *key*: on a Redis Cluster, that of the primary that serves
+        its slot, as the cluster last said."""
+        if not isinstance(self._redis, ClusterClient):
+            return self._clock
+        primary = self._redis.known_primary_for(key_slot(key.encode()))
+        return ServerClock() if primary is None else self._node(primary)
+
+    async def read(self) -> None:
+        """Learn each clock before the first requests (see :meth:`ServerClock.follow`): a
+        clock learned at its first call would let the requests that come meanwhile wait."""
+        if not isinstance(self._redis, ClusterClient):
+            await self._clock.follow(self._redis.time)
+            return
+        await self._redis.initialize()
+        for primary in self._redis.get_primaries():
+            await self._node(primary).follow(partial(self._redis.time, target_nodes=primary))
+
+    async def known(self, key: str) -> ServerClock:
+        """The clock of the bucket *key* (see :meth:`of`), read first from Redis's ``TIME``
+        if it knows no recent bounds (see :meth:`ServerClock.follow`)."""
+        if not isinstance(self._redis, ClusterClient):
+            await self._clock.follow(self._redis.time)
+            return self._clock
+        primary = await self._redis.primary_for(key_slot(key.encode()))
+        clock = self._node(primary)
+        await clock.follow(partial(self._redis.time, target_nodes=primary))
+        return clock
+
+    def _node(self, node: ClusterNode) -> ServerClock:
+        clock = self._node_clocks.get(node.name)
+        if clock is None:
+            clock = self._node_clocks[node.name] = ServerClock()
+        return clock
