@@ -24,13 +24,13 @@ _calls: ContextVar[list[int]] = ContextVar("calls")
 class CountingThrottleMiddleware(RedisThrottleMiddleware):
     def __init__(self, crawler: Crawler) -> None:
         super().__init__(crawler)
-        acquire = self.budget.acquire
+        acquire = self.bucket.acquire
 
         async def counted(*args: Any, **kwargs: Any) -> Grant:
             _calls.get()[0] += 1
             return await acquire(*args, **kwargs)
 
-        self.budget.acquire = counted  # type: ignore[method-assign]
+        self.bucket.acquire = counted  # type: ignore[method-assign]
 
     async def process_request(self, request: Request) -> Request | None:
         calls = [0]

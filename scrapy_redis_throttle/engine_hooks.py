@@ -40,12 +40,45 @@ if TYPE_CHECKING:
     from .config import ThrottleConfig
     from .parking import Unreserve
     from .rejections import Rejections
+    from .resilience import ResilientBucket
     from .seals import Seals
 
 logger = logging.getLogger(__name__)
 
 # For the plain commands (ZCARD and DEL at the close): the scripts have a connection each.
 PARKING_CONNECTIONS = 1
+
+
+def attach_parking(
+    crawler: Crawler,
+    config: ThrottleConfig,
+    rejections: Rejections,
+    clock: Clock,
+    bucket: ResilientBucket,
+) -> ParkingArea | None:
+    """A parking area attached to the scheduler the engine runs (None: there is none, or it
+    could not be attached; waiting requests are then held in the downloader, and a WARNING
+    says so)."""
+    scheduler = engine_scheduler(crawler)
+    extra = {"spider": crawler.spider}
+    if scheduler is None:  # not Scrapy's engine: requests wait in the downloader
+        logger.warning(
+            "Redis throttle: found no scheduler to park waiting requests beside; they wait "
+            "in the downloader, holding its slots",
+            extra=extra,
+        )
+        return None
+    try:
+        return attach(crawler, config, scheduler, rejections, clock, bucket.unreserve, bucket.seals)
+    except Exception:
+        # Without parking the throttle still works: the rest of the start must happen.
+        logger.exception(
+            "Redis throttle: could not attach the parking area to %s; waiting requests "
+            "wait in the downloader, holding its slots",
+            type(scheduler).__name__,
+            extra=extra,
+        )
+        return None
 
 
 def engine_scheduler(crawler: Crawler) -> BaseScheduler | None:

@@ -1,17 +1,25 @@
 """What the throttle tells the user at start-up: one line on what this set-up will do, the
-limits, and a warning for each per-process setting that fights the shared budget."""
+limits, and a warning for each per-process setting that fights the shared budget; and, last,
+the start-up's objects frozen out of the garbage collector (see :mod:`.gc_freeze`)."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
+from .config import STATS_PREFIX
+from .gc_freeze import freeze_startup_objects
 from .rates import format_rate
 from .redis_parking import RedisParking
 from .scopes import HOST, IP, PROXY, REGISTRABLE_DOMAIN
 
 if TYPE_CHECKING:
+    from scrapy import Spider
+
     from .config import ThrottleConfig
     from .middleware import RedisThrottleMiddleware
+
+logger = logging.getLogger(__name__)
 
 _SCOPES = {
     HOST: "each host",
@@ -19,6 +27,24 @@ _SCOPES = {
     IP: "each server address",
     PROXY: "each proxy",
 }
+
+
+def announce(middleware: RedisThrottleMiddleware, spider: Spider) -> None:
+    """Log the start-up's lines and warnings, then freeze the start-up's objects (last, once
+    the whole crawler is built: its objects are frozen too), with REDIS_THROTTLE_GC_FREEZE."""
+    for line in describe_setup(middleware):
+        logger.info("Redis throttle: %s", line, extra={"spider": spider})
+    for warning in setup_warnings(middleware.config):
+        logger.warning("Redis throttle: %s", warning, extra={"spider": spider})
+    frozen = freeze_startup_objects() if middleware.config.gc_freeze else 0
+    if frozen:
+        middleware.stats.set_value(f"{STATS_PREFIX}/gc_frozen_objects", frozen)
+        logger.debug(
+            "Redis throttle: %(frozen)d objects of the start-up frozen out of the garbage "
+            "collector (REDIS_THROTTLE_GC_FREEZE)",
+            {"frozen": frozen},
+            extra={"spider": spider},
+        )
 
 
 def describe_setup(middleware: RedisThrottleMiddleware) -> list[str]:
@@ -44,7 +70,7 @@ def describe_setup(middleware: RedisThrottleMiddleware) -> list[str]:
         + f", REDIS_THROTTLE_SCOPE) shared in {config.redis_location} (key prefix "
         f"{config.key_prefix!r}); {waiting}; "
         + (f"a {codes} pauses its domain for every worker; " if codes else "")
-        + f"if Redis fails, {middleware.budget.fallback.describe()}",
+        + f"if Redis fails, {middleware.bucket.fallback.describe()}",
         "limits:\n  " + "\n  ".join(config.limits.describe()),
     ]
     crawl_delay = middleware.crawl_delays.describe()

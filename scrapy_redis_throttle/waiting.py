@@ -3,6 +3,7 @@ parked until its moment (a :class:`~.parking.Ticket` for the parking area)."""
 
 from __future__ import annotations
 
+import enum
 import logging
 import random
 from typing import TYPE_CHECKING, Any, Protocol
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
 
     from .activity import Activity
     from .bucket import Voiding
+    from .budgets import Budget, RequestBudget
     from .clock import Clock
     from .config import ThrottleConfig
     from .fallback import Grant
@@ -39,11 +41,20 @@ MOMENT_SLACK = 0.001
 SENT_META = "_redis_throttle_sent_at"
 
 
+class Went(enum.Enum):
+    """A request's turn came, and it left for the download."""
+
+    WENT = "went"
+
+
+WENT = Went.WENT
+
+
 class SharedBucket(Protocol):
     """What a request's turn asks of the shared bucket (:class:`.ResilientBucket`)."""
 
     async def acquire(
-        self, domain: str, limit: Limit, cost: float, others: Sequence[tuple[str, Limit]] = ()
+        self, domain: str, limit: Limit, cost: float, others: Sequence[Budget] = ()
     ) -> Grant: ...
 
     def server_clock(self, domain: str) -> ServerClock: ...
@@ -58,7 +69,7 @@ class Turns:
     def __init__(
         self,
         config: ThrottleConfig,
-        budget: SharedBucket,
+        bucket: SharedBucket,
         pauses: Pauses,
         activity: Activity,
         stats: StatsCollector,
@@ -67,25 +78,19 @@ class Turns:
     ) -> None:
         self._clock = clock
         self._config = config
-        self._budget = budget
+        self._bucket = bucket
         self._pauses = pauses
         self._activity = activity
         self._stats = stats
         self._log_extra = log_extra
 
     async def take(
-        self,
-        request: Request,
-        domain: str,
-        limit: Limit,
-        cost: float,
-        ticket: Ticket | None,
-        may_park: bool,
-        others: Sequence[tuple[str, Limit]] = (),
-    ) -> Ticket | None:
-        """Wait until *request* may go (None), or return the ticket to park it with (only if
-        it *may_park*). *ticket*: the request is back from the parking area with it. *others*:
-        the budgets of its other scopes, which must allow it too (see :mod:`.scopes`)."""
+        self, request: Request, budget: RequestBudget, ticket: Ticket | None, may_park: bool
+    ) -> Ticket | Went:
+        """Wait until *request*, drawing on *budget*, may go (:data:`WENT`), or return the
+        ticket to park it with (only if it *may_park*). *ticket*: the request is back from the
+        parking area with it."""
+        domain, limit, others = budget.domain, budget.limit, budget.others
         with self._activity.holding(domain):
             stats = self._stats
             # Its wait counts from its first turn, before it was parked.
@@ -96,7 +101,7 @@ class Turns:
                 and ticket.reserved
                 and await self._hold_until(
                     domain,
-                    ticket.moment(self._budget.server_clock(domain)),
+                    ticket.moment(self._bucket.server_clock(domain)),
                     ticket.moment_us,
                     ticket.reserved_at,
                     ticket.elsewhere,
@@ -104,11 +109,11 @@ class Turns:
                 )
             ):
                 self._went(request, domain, since, delayed=True)
-                return None
+                return WENT
             delayed = ticket is not None
             while True:
                 asked_at = self._clock.wall()
-                grant = await self._budget.acquire(domain, limit, cost, others)
+                grant = await self._bucket.acquire(domain, limit, budget.cost, others)
                 result = grant.result
                 decided = result.decided(self._clock.monotonic())
                 delayed = delayed or grant.waited_for_redis
@@ -124,7 +129,7 @@ class Turns:
                         delayed = True
                         continue
                     self._went(request, domain, since, delayed)
-                    return None
+                    return WENT
                 if result.paused and grant.shared:
                     stats.inc_value(f"{STATS_PREFIX}/paused_live")
                 if may_park and result.retry_after > self._config.max_hold:
@@ -156,7 +161,7 @@ class Turns:
                         domain, moment, moment_us, asked_at, local=not grant.shared
                     ):
                         self._went(request, domain, since, delayed)
-                        return None
+                        return WENT
                     continue
                 if result.paused:
                     await self._clock.sleep(result.retry_after)
@@ -185,7 +190,7 @@ class Turns:
             await self._pauses.sleep(domain, moment - self._clock.monotonic())
             # Placed by the bounds Redis's clock had then: those of a reply read late put it
             # late, and the replies read since may tell that it has passed.
-            moment = self._budget.server_clock(domain).placed(moment, moment_us)
+            moment = self._bucket.server_clock(domain).placed(moment, moment_us)
             if (
                 self._missed(domain, moment)
                 or not await self._still_reserved(domain, reserved_at, moment, elsewhere, local)
@@ -228,7 +233,7 @@ class Turns:
         if not local and not self._pauses.knows_voidings(domain, reserved_at, elsewhere):
             self._stats.inc_value(f"{STATS_PREFIX}/voidings_read")
             read_at = self._clock.wall()
-            known, voiding = await self._budget.voided(domain)
+            known, voiding = await self._bucket.voided(domain)
             if known:
                 self._pauses.read(domain, voiding, read_at)
             elif self._config.on_redis_error == FALLBACK_WAIT:

@@ -21,6 +21,7 @@ from scrapy.utils.test import get_crawler
 
 from scrapy_redis_throttle.activity import Activity
 from scrapy_redis_throttle.bucket import AcquireResult, Voiding
+from scrapy_redis_throttle.budgets import Budget, RequestBudget
 from scrapy_redis_throttle.clock import Clock
 from scrapy_redis_throttle.config import ThrottleConfig
 from scrapy_redis_throttle.fallback import Grant
@@ -30,7 +31,7 @@ from scrapy_redis_throttle.rates import Limit, parse_limit
 from scrapy_redis_throttle.resilience import ResilientBucket
 from scrapy_redis_throttle.server_clock import ServerClock
 from scrapy_redis_throttle.tickets import Ticket
-from scrapy_redis_throttle.waiting import Turns
+from scrapy_redis_throttle.waiting import Turns, Went
 
 _T = TypeVar("_T")
 
@@ -137,7 +138,7 @@ class MemoryBucket:
         self._server_clock = ServerClock()
 
     async def acquire(
-        self, domain: str, limit: Limit, cost: float, others: Sequence[tuple[str, Limit]] = ()
+        self, domain: str, limit: Limit, cost: float, others: Sequence[Budget] = ()
     ) -> Grant:
         self.calls.append((self._clock.now, domain))
         if self.answers:
@@ -222,10 +223,11 @@ class Throttle:
         may_park: bool = False,
         domain: str = "a.example",
         cost: float = 1.0,
-    ) -> Ticket | None:
-        """The request's turn, time moving while it waits: None when it went (at the clock's
+    ) -> Ticket | Went:
+        """The request's turn, time moving while it waits: WENT when it went (at the clock's
         time then), or its ticket."""
-        return await self.clock.run(self.turns.take(request, domain, limit, cost, ticket, may_park))
+        budget = RequestBudget(domain, limit, (), cost)
+        return await self.clock.run(self.turns.take(request, budget, ticket, may_park))
 
     def start(
         self,
@@ -233,9 +235,9 @@ class Throttle:
         limit: Limit,
         ticket: Ticket | None = None,
         domain: str = "a.example",
-    ) -> asyncio.Task[Ticket | None]:
+    ) -> asyncio.Task[Ticket | Went]:
         """The request's turn, under way while the test moves time itself."""
-        turn = self.turns.take(request, domain, limit, 1.0, ticket, may_park=False)
+        turn = self.turns.take(request, RequestBudget(domain, limit), ticket, may_park=False)
         return asyncio.ensure_future(turn)
 
 

@@ -460,7 +460,7 @@ def test_a_domains_limits_are_bounded() -> None:
 def test_a_bad_scrapy_redis_url_fails_only_the_parking_area_that_needs_it() -> None:
     """The throttle has its own Redis: scrapy-redis's REDIS_URL, needed only by the parking area
     beside scrapy-redis's queue, does not stop the crawl; attaching the parking area fails, with
-    the setting named (and the throttle goes on without it: see middleware._attach_parking)."""
+    the setting named (and the throttle goes on without it: see engine_hooks.attach_parking)."""
     config = ThrottleConfig.from_settings(
         Settings({"REDIS_THROTTLE_URL": "redis://localhost:6379/0", "REDIS_URL": "localhost:6379"})
     )

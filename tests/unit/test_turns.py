@@ -14,7 +14,7 @@ from scrapy_redis_throttle.bucket import AcquireResult, Voiding
 from scrapy_redis_throttle.config import FALLBACK_LOCAL, FALLBACK_WAIT
 from scrapy_redis_throttle.parking import RELEASE_AHEAD
 from scrapy_redis_throttle.tickets import Ticket
-from scrapy_redis_throttle.waiting import MISSED_AFTER, SENT_META
+from scrapy_redis_throttle.waiting import MISSED_AFTER, SENT_META, WENT
 
 TWO_PER_SECOND = limit("2/s")
 BURST_THREE = limit("2/s", burst=3)
@@ -28,7 +28,7 @@ def request(n: int = 0) -> Request:
 async def test_a_request_within_the_burst_goes_at_once_and_is_counted() -> None:
     throttle = Throttle()
     start = throttle.clock.now
-    assert await throttle.take(request(), TWO_PER_SECOND) is None
+    assert await throttle.take(request(), TWO_PER_SECOND) is WENT
     assert throttle.clock.now == start, "no wait"
     assert throttle.stat("allowed_immediately") == 1
     assert throttle.stat("requests") == 1
@@ -43,7 +43,7 @@ async def test_requests_over_the_burst_go_each_at_its_moment() -> None:
     went: list[float] = []
 
     async def turn(n: int) -> None:
-        assert await throttle.start(request(n), TWO_PER_SECOND) is None
+        assert await throttle.start(request(n), TWO_PER_SECOND) is WENT
         went.append(throttle.clock.now - start)
 
     await throttle.clock.run(asyncio.gather(*(turn(n) for n in range(4))))
@@ -91,7 +91,7 @@ async def test_a_request_that_may_not_park_holds_however_long() -> None:
     start = throttle.clock.now
     for _ in range(5):
         throttle.bucket.bucket.acquire("a.example", TWO_PER_SECOND, 1, 60, 1)
-    assert await throttle.take(request(), TWO_PER_SECOND) is None
+    assert await throttle.take(request(), TWO_PER_SECOND) is WENT
     assert throttle.clock.now - start == pytest.approx(2.5)
 
 
@@ -100,7 +100,7 @@ async def test_a_wait_of_max_hold_exactly_is_held_not_parked() -> None:
     throttle = Throttle(REDIS_THROTTLE_MAX_HOLD=0.5)
     throttle.bucket.bucket.acquire("a.example", TWO_PER_SECOND, 1, 60, 1)
     result = await throttle.take(request(), TWO_PER_SECOND, may_park=True)
-    assert result is None
+    assert result is WENT
 
 
 @async_test
@@ -108,7 +108,7 @@ async def test_a_ticket_back_with_its_moment_goes_then_without_asking() -> None:
     throttle = Throttle()
     now, wall = throttle.clock.now, throttle.clock.wall()
     ticket = Ticket("a.example", now + RELEASE_AHEAD, True, False, wall - 10, wall - 20)
-    assert await throttle.take(request(), TWO_PER_SECOND, ticket) is None
+    assert await throttle.take(request(), TWO_PER_SECOND, ticket) is WENT
     assert throttle.clock.now == now + RELEASE_AHEAD, "at its moment"
     assert throttle.bucket.calls == [], "its tokens were reserved before it was parked"
     assert throttle.stat("delayed") == 1
@@ -120,7 +120,7 @@ async def test_a_ticket_without_a_reservation_asks_when_it_comes_back() -> None:
     throttle = Throttle()
     now, wall = throttle.clock.now, throttle.clock.wall()
     ticket = Ticket("a.example", now, False, False, wall, wall)
-    assert await throttle.take(request(), TWO_PER_SECOND, ticket) is None
+    assert await throttle.take(request(), TWO_PER_SECOND, ticket) is WENT
     assert len(throttle.bucket.calls) == 1
     assert throttle.stat("delayed") == 1, "a parked request counts as delayed"
 
@@ -130,7 +130,7 @@ async def test_a_ticket_back_too_late_for_its_moment_asks_anew() -> None:
     throttle = Throttle()
     now, wall = throttle.clock.now, throttle.clock.wall()
     late = Ticket("a.example", now - 2 * MISSED_AFTER, True, False, wall, wall)
-    assert await throttle.take(request(), TWO_PER_SECOND, late) is None
+    assert await throttle.take(request(), TWO_PER_SECOND, late) is WENT
     assert throttle.stat("missed_moments") == 1
     assert len(throttle.bucket.calls) == 1, "a new moment"
 
@@ -140,7 +140,7 @@ async def test_a_ticket_back_just_within_missed_after_still_goes() -> None:
     throttle = Throttle()
     now, wall = throttle.clock.now, throttle.clock.wall()
     ticket = Ticket("a.example", now - MISSED_AFTER / 2, True, False, wall, wall)
-    assert await throttle.take(request(), TWO_PER_SECOND, ticket) is None
+    assert await throttle.take(request(), TWO_PER_SECOND, ticket) is WENT
     assert throttle.stat("missed_moments") is None
     assert throttle.bucket.calls == []
 
@@ -169,7 +169,7 @@ async def test_a_reply_read_late_with_an_allowed_request_asks_anew() -> None:
     throttle = Throttle()
     decided = throttle.clock.now - 1.0  # Redis decided 1 s before the reply was read
     throttle.bucket.answers.append(AcquireResult(True, False, 0.0, 0.0, 0.0, decided_at=decided))
-    assert await throttle.take(request(), TWO_PER_SECOND) is None
+    assert await throttle.take(request(), TWO_PER_SECOND) is WENT
     assert throttle.stat("missed_moments") == 1
     assert len(throttle.bucket.calls) == 2
 
@@ -258,7 +258,7 @@ async def test_a_domain_paused_live_for_long_parks_its_request() -> None:
     throttle = Throttle()
     throttle.bucket.answers.append(AcquireResult(False, False, 0.0, 2.0, 0.0, paused=True))
     ticket = await throttle.take(request(), TWO_PER_SECOND, may_park=True)
-    assert ticket is not None
+    assert isinstance(ticket, Ticket)
     assert not ticket.reserved, "nothing was reserved: it asks again then"
     assert ticket.due == pytest.approx(throttle.clock.now + 2.0)
 
@@ -298,7 +298,7 @@ async def test_a_parked_request_is_due_when_it_can_go_or_ask(
     result = AcquireResult(False, reserved, 0.0, retry_after, retry_after)
     throttle.bucket.answers.append(result)
     ticket = await throttle.take(request(), TWO_PER_SECOND, may_park=True)
-    assert ticket is not None
+    assert isinstance(ticket, Ticket)
     assert ticket.reserved is reserved
     assert ticket.due == pytest.approx(throttle.clock.now + due_after)
 
@@ -308,7 +308,7 @@ async def test_a_request_too_far_ahead_to_reserve_parks_until_it_can() -> None:
     throttle = Throttle(REDIS_THROTTLE_MAX_RESERVE=10)
     throttle.bucket.answers.append(AcquireResult(False, False, 0.0, 100.0, 100.0))
     ticket = await throttle.take(request(), TWO_PER_SECOND, may_park=True)
-    assert ticket is not None
+    assert isinstance(ticket, Ticket)
     assert not ticket.reserved
     # Back within MAX_RESERVE of its time (spread over the last half), RELEASE_AHEAD early.
     due_in = ticket.due - throttle.clock.now
@@ -334,7 +334,7 @@ async def test_a_reserved_moment_from_another_worker_reads_the_voidings_it_misse
     now, wall = throttle.clock.now, throttle.clock.wall()
     throttle.bucket.voiding = (True, Voiding(left=10.0, age=1.0))
     ticket = Ticket("a.example", now, True, False, wall - 5, wall - 5, elsewhere=True)
-    assert await throttle.take(request(), TWO_PER_SECOND, ticket) is None
+    assert await throttle.take(request(), TWO_PER_SECOND, ticket) is WENT
     assert throttle.bucket.voided_reads == 1
     assert throttle.stat("voidings_read") == 1
     assert throttle.stat("paused_reservations") == 1
@@ -346,7 +346,7 @@ async def test_a_voiding_read_that_voids_nothing_lets_the_moment_stand() -> None
     throttle = Throttle()
     now, wall = throttle.clock.now, throttle.clock.wall()
     ticket = Ticket("a.example", now, True, False, wall - 5, wall - 5, elsewhere=True)
-    assert await throttle.take(request(), TWO_PER_SECOND, ticket) is None
+    assert await throttle.take(request(), TWO_PER_SECOND, ticket) is WENT
     assert throttle.bucket.voided_reads == 1
     assert throttle.bucket.calls == []
 
@@ -358,7 +358,7 @@ async def test_voidings_redis_cannot_tell_go_by_the_policy(policy: str, asks_aga
     now, wall = throttle.clock.now, throttle.clock.wall()
     throttle.bucket.voiding = (False, None)
     ticket = Ticket("a.example", now, True, False, wall - 5, wall - 5, elsewhere=True)
-    assert await throttle.take(request(), TWO_PER_SECOND, ticket) is None
+    assert await throttle.take(request(), TWO_PER_SECOND, ticket) is WENT
     assert len(throttle.bucket.calls) == (1 if asks_again else 0)
 
 
@@ -367,7 +367,7 @@ async def test_a_moment_reserved_locally_never_reads_voidings_from_redis() -> No
     throttle = Throttle()
     now, wall = throttle.clock.now, throttle.clock.wall()
     ticket = Ticket("a.example", now, True, True, wall - 5, wall - 5)
-    assert await throttle.take(request(), TWO_PER_SECOND, ticket) is None
+    assert await throttle.take(request(), TWO_PER_SECOND, ticket) is WENT
     assert throttle.bucket.voided_reads == 0
 
 
