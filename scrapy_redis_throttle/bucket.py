@@ -374,7 +374,7 @@ class TokenBucket:
         )
         return SlowDown(lowered == 1, float(rate), back_in_us / 1e6, void_us / 1e6)
 
-    async def voided(self, domain: str) -> Voiding | None:
+    async def last_voiding(self, domain: str) -> Voiding | None:
         """The last voiding of *domain*'s reserved moments that still matters (None: none)."""
         reply = await self._voided_script(keys=[void_key(self._key_prefix, domain)], args=[])
         if len(reply) != 2:

@@ -225,8 +225,8 @@ def _live_limit(
 
 def _print_change(domain: str, change: Change) -> None:
     print(f"{domain}: {change.live or WORKERS_OWN_LIMIT}")
-    if change.voided:
-        print(f"  the moments reserved for the next {change.voided:.1f} s are asked for again")
+    if change.void:
+        print(f"  the moments reserved for the next {change.void:.1f} s are asked for again")
 
 
 def _status(control: LiveControl, config: ThrottleConfig, args: argparse.Namespace) -> None:

@@ -97,7 +97,7 @@ def _quota(text: str) -> Quota:
 class Change:
     live: LiveLimit | None
     """The domain's live limit after the change (None: the workers' own configuration)."""
-    voided: float
+    void: float
     """Seconds of moments reserved before the change, which their requests ask for again."""
 
 
@@ -155,7 +155,7 @@ class LiveControl:
         burst: int | None = None,
         quotas: tuple[Quota, ...] = (),
     ) -> Change:
-        live, voided_us = self._set_limit(
+        live, void_us = self._set_limit(
             keys=[
                 bucket_key(self._prefix, domain),
                 penalty_key(self._prefix, domain),
@@ -175,7 +175,7 @@ class LiveControl:
             self._client.srem(live_key(self._prefix), domain)
         else:
             self._client.sadd(live_key(self._prefix), domain)
-        return Change(limit, voided_us / 1e6)
+        return Change(limit, void_us / 1e6)
 
     def live_limits(self) -> dict[str, LiveLimit]:
         """Every domain with a limit set live."""

@@ -148,7 +148,7 @@ class RedisThrottleMiddleware:
 
     def _release_parked(self, domain: str, heard: float, until: float) -> None:
         if self.parking is not None:
-            self.parking.voided(domain, heard, until)
+            self.parking.void(domain, heard, until)
 
     def _log_extra(self) -> dict[str, Any]:
         return {"spider": self.crawler.spider}

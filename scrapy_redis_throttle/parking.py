@@ -20,7 +20,7 @@ requests that came out of the scheduler are parked: those the engine downloads d
   own queue when it keeps it on disk (``JOBDIR``), and are dropped (and counted) otherwise.
 
 A voiding of a domain's reserved moments (see :class:`.penalties.Pauses`) reaches the
-requests parked with them at once (:meth:`ParkingArea.voided`): they come back to ask again,
+requests parked with them at once (:meth:`ParkingArea.void`): they come back to ask again,
 as held ones wake to, not at their old moments. Both stores index reserved moments by domain.
 """
 
@@ -105,7 +105,7 @@ class ParkingArea:
         self._unreserve = unreserve
         self._releaser = asyncio.ensure_future(self._release_loop())
 
-    def voided(self, domain: str, heard: float, until: float) -> None:
+    def void(self, domain: str, heard: float, until: float) -> None:
         """The moments of *domain* up to *until* (loop time) reserved before *heard* (wall time)
         are void (see :meth:`.Pauses.pause`): the requests parked with one come back at once,
         to ask again, as held ones do, not at their old moments."""

@@ -111,7 +111,7 @@ def _http_date(text: str) -> datetime | None:
 class Pauses:
     """The pauses this worker knows of: its own, and those other workers published. *forget*
     drops what the worker saw of a domain's bucket, which Redis changed; *release_parked* passes
-    each voiding on to the parking area (see :meth:`.ParkingArea.voided`)."""
+    each voiding on to the parking area (see :meth:`.ParkingArea.void`)."""
 
     def __init__(
         self,
@@ -200,8 +200,8 @@ class Pauses:
         return read_at is not None and read_at >= since
 
     def read(self, domain: str, voiding: Voiding | None, read_at: float) -> None:
-        """The last voiding of *domain* read from Redis (:meth:`.TokenBucket.voided`), asked for
-        at *read_at* (wall time): moments it voids are void (see :meth:`pause`)."""
+        """The last voiding of *domain* read from Redis (:meth:`.TokenBucket.last_voiding`),
+        asked for at *read_at* (wall time): moments it voids are void (see :meth:`pause`)."""
         if voiding is not None:
             self.pause(domain, voiding.left, age=voiding.age)
         since = self._listening_since
@@ -210,7 +210,7 @@ class Pauses:
                 self._read_at.clear()  # bounded: a domain forgotten is only read once more
             self._read_at[domain] = read_at
 
-    def voided(
+    def is_void(
         self, domain: str, reserved_at: float, moment: float, elsewhere: bool = False
     ) -> bool:
         """Whether a moment (monotonic time) reserved for *domain* at *reserved_at* (wall

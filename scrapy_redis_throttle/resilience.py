@@ -194,17 +194,17 @@ class ResilientBucket:
         """Redis's clock as *domain*'s bucket sees it (see :meth:`.TokenBucket.server_clock`)."""
         return self._bucket.server_clock(domain)
 
-    async def voided(self, domain: str) -> tuple[bool, Voiding | None]:
+    async def last_voiding(self, domain: str) -> tuple[bool, Voiding | None]:
         """Whether Redis could tell, and the last voiding of *domain*'s reserved moments (see
-        :meth:`.TokenBucket.voided`)."""
+        :meth:`.TokenBucket.last_voiding`)."""
         if self.breaker.open_for() is not None:
             return False, None
-        reply = await self._answered(domain, self._voided(domain))
+        reply = await self._answered(domain, self._last_voiding(domain))
         return (False, None) if reply is None else (True, reply[0])
 
-    async def _voided(self, domain: str) -> tuple[Voiding | None]:
+    async def _last_voiding(self, domain: str) -> tuple[Voiding | None]:
         # In a tuple: None is an answer here, and _guarded's word for a failed call.
-        return (await self._bucket.voided(domain),)
+        return (await self._bucket.last_voiding(domain),)
 
     async def penalize(
         self, domain: str, limit: Limit, retry_after: float | None

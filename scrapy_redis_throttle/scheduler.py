@@ -1,5 +1,5 @@
-"""Schedulers kept from 0.1 for the projects that name them: the throttle now parks requests
-with any scheduler (see :mod:`scrapy_redis_throttle.parking`), so these are their parents.
+"""Scheduler classes a project may name: each is its parent, unchanged, because the throttle
+parks requests beside whichever scheduler the engine runs (see :mod:`.engine_hooks`).
 
 * :class:`ThrottleScheduler`: Scrapy's own scheduler.
 * :class:`RedisThrottleScheduler`: scrapy-redis's scheduler.

@@ -59,7 +59,7 @@ class SharedBucket(Protocol):
 
     def server_clock(self, domain: str) -> ServerClock: ...
 
-    async def voided(self, domain: str) -> tuple[bool, Voiding | None]: ...
+    async def last_voiding(self, domain: str) -> tuple[bool, Voiding | None]: ...
 
 
 class Turns:
@@ -225,7 +225,7 @@ class Turns:
         local: bool = False,
     ) -> bool:
         """Whether a request may go at the *moment* it reserved at *reserved_at* (see
-        :meth:`.Pauses.voided`; *elsewhere*: in another process, maybe): not if a pause, or a
+        :meth:`.Pauses.is_void`; *elsewhere*: in another process, maybe): not if a pause, or a
         change of the rate, voided it since; it must ask Redis again. For a moment reserved in
         Redis (not *local*ly, while Redis failed), a pause published while this worker was not
         listening is read from Redis; if Redis cannot tell, the request goes by what this
@@ -233,7 +233,7 @@ class Turns:
         if not local and not self._pauses.knows_voidings(domain, reserved_at, elsewhere):
             self._stats.inc_value(f"{STATS_PREFIX}/voidings_read")
             read_at = self._clock.wall()
-            known, voiding = await self._bucket.voided(domain)
+            known, voiding = await self._bucket.last_voiding(domain)
             if known:
                 self._pauses.read(domain, voiding, read_at)
             elif self._config.on_redis_error == FALLBACK_WAIT:
@@ -241,7 +241,7 @@ class Turns:
             # Else Redis fails, and what this worker heard is all it can know: a moment
             # reserved in Redis is still the fleet's, where a new one (paced alone) would know
             # no more of the pauses published meanwhile.
-        if self._pauses.voided(domain, reserved_at, moment, elsewhere):
+        if self._pauses.is_void(domain, reserved_at, moment, elsewhere):
             self._stats.inc_value(f"{STATS_PREFIX}/paused_reservations")
             return False
         return True

@@ -356,7 +356,7 @@ async def test_a_flood_of_pauses_for_one_domain_keeps_a_few_that_void_as_much(
             pauses.pause("a.example", 600 - n / 10, age=-n / 1000)  # heard 1 ms later each
         kept = len(pauses._pauses["a.example"])
         soon = asyncio.get_running_loop().time() + 1
-        voided = pauses.voided("a.example", reserved_before, soon + 590)
+        voided = pauses.is_void("a.example", reserved_before, soon + 590)
     finally:
         await close(client)
     assert kept <= PAUSES_PER_DOMAIN

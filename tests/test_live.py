@@ -126,9 +126,9 @@ def test_a_change_voids_the_moments_reserved_and_publishes_it(scripts: Scripts) 
         pubsub.subscribe(penalty_channel("ns"))
         change = scripts.control.set("shop.example", 5, 1)
         messages = [pubsub.get_message(timeout=5) for _ in range(2)]
-    assert 0.35 < change.voided <= 0.5
+    assert 0.35 < change.void <= 0.5
     assert messages[1] is not None
-    assert messages[1]["data"] == f"{round(change.voided * 1e6)} shop.example".encode()
+    assert messages[1]["data"] == f"{round(change.void * 1e6)} shop.example".encode()
     assert scripts.acquire() == (1, 0), "the bucket forgot them: the new limit starts now"
 
 

@@ -304,7 +304,7 @@ async def crawl_paused_by_another_worker(
     try:
         # Connected, and on a cluster the slots read, before the crawl: the pause follows the
         # second arrival as closely as this process can.
-        await bucket.voided(A)
+        await bucket.last_voiding(A)
         runner = CrawlerRunner(settings)
         crawler = runner.create_crawler(UrlListSpider)
         crawl = runner.crawl(crawler, requests=pages(site, A, 10), redis_throttle_rates={A: "5/s"})
@@ -394,8 +394,8 @@ async def test_one_read_of_a_domains_last_voiding_serves_every_request_of_it(
         # What a read says is kept: a voiding 0.5 s ago, for 2 s from now.
         pauses.read("b.example", Voiding(age=0.5, left=2.0), time.time())
         moment = asyncio.get_running_loop().time() + 1
-        assert pauses.voided("b.example", time.time() - 1, moment)
-        assert not pauses.voided("b.example", time.time(), moment), "reserved after it"
+        assert pauses.is_void("b.example", time.time() - 1, moment)
+        assert not pauses.is_void("b.example", time.time(), moment), "reserved after it"
     finally:
         await pauses.stop()
         await close(client)

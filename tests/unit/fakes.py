@@ -134,7 +134,7 @@ class MemoryBucket:
         self.answers: list[AcquireResult] = []
         # What voided() answers: whether Redis could tell, and the last voiding.
         self.voiding: tuple[bool, Voiding | None] = (True, None)
-        self.voided_reads = 0
+        self.voiding_reads = 0
         self._server_clock = ServerClock()
 
     async def acquire(
@@ -149,8 +149,8 @@ class MemoryBucket:
     def server_clock(self, domain: str) -> ServerClock:
         return self._server_clock
 
-    async def voided(self, domain: str) -> tuple[bool, Voiding | None]:
-        self.voided_reads += 1
+    async def last_voiding(self, domain: str) -> tuple[bool, Voiding | None]:
+        self.voiding_reads += 1
         return self.voiding
 
 

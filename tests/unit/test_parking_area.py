@@ -188,7 +188,7 @@ async def test_a_voiding_brings_back_what_it_voids_to_ask_again() -> None:
     yard = Yard()
     voided = yard.park(yard.ticket(10.0), 1)
     await yard.clock.advance(0.1)
-    yard.area.voided(A, heard=yard.clock.wall(), until=yard.clock.now + 20)
+    yard.area.void(A, heard=yard.clock.wall(), until=yard.clock.now + 20)
     await yard.clock.advance(0)
     assert yard.crawler.engine.crawled == [voided], "back at once"
     assert yard.next_request() is voided
@@ -208,7 +208,7 @@ async def test_a_voiding_leaves_alone_what_it_does_not_void() -> None:
     yard.park(yard.ticket(10.0, reserved=False), 3)  # nothing reserved
     await yard.clock.advance(0.1)
     yard.park(yard.ticket(10.0), 4)  # reserved after the voiding was heard
-    yard.area.voided(A, heard=heard_at + 0.05, until=yard.clock.now + 20)
+    yard.area.void(A, heard=heard_at + 0.05, until=yard.clock.now + 20)
     await yard.clock.advance(1.0)
     assert yard.crawler.engine.crawled == []
     assert yard.store.parked == 4
@@ -220,8 +220,8 @@ async def test_two_voidings_of_a_domain_reach_the_area_as_one_that_covers_both()
     early = yard.park(yard.ticket(10.0), 1)
     far = yard.park(yard.ticket(25.0), 2)
     await yard.clock.advance(0.1)
-    yard.area.voided(A, heard=yard.clock.wall(), until=yard.clock.now + 12)
-    yard.area.voided(A, heard=yard.clock.wall() - 50, until=yard.clock.now + 30)
+    yard.area.void(A, heard=yard.clock.wall(), until=yard.clock.now + 12)
+    yard.area.void(A, heard=yard.clock.wall() - 50, until=yard.clock.now + 30)
     await yard.clock.advance(0)
     assert sorted(r.url for r in yard.crawler.engine.crawled) == sorted([early.url, far.url])
 

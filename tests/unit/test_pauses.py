@@ -26,15 +26,15 @@ async def test_a_pause_voids_moments_within_it_reserved_before_it() -> None:
     pauses, clock = (throttle := Throttle()).pauses, throttle.clock
     reserved_at = clock.wall() - 1
     pauses.pause(A, 10.0)
-    assert pauses.voided(A, reserved_at, clock.now + 5)
-    assert pauses.voided(A, reserved_at, clock.now + 10), "its last moment too"
+    assert pauses.is_void(A, reserved_at, clock.now + 5)
+    assert pauses.is_void(A, reserved_at, clock.now + 10), "its last moment too"
 
 
 @async_test
 async def test_a_pause_leaves_moments_after_it_alone() -> None:
     pauses, clock = (throttle := Throttle()).pauses, throttle.clock
     pauses.pause(A, 10.0)
-    assert not pauses.voided(A, clock.wall() - 1, clock.now + 10.5)
+    assert not pauses.is_void(A, clock.wall() - 1, clock.now + 10.5)
 
 
 @async_test
@@ -42,14 +42,14 @@ async def test_a_pause_leaves_moments_reserved_after_it_alone() -> None:
     pauses, clock = (throttle := Throttle()).pauses, throttle.clock
     pauses.pause(A, 10.0)
     await clock.advance(0.1)
-    assert not pauses.voided(A, clock.wall(), clock.now + 5)
+    assert not pauses.is_void(A, clock.wall(), clock.now + 5)
 
 
 @async_test
 async def test_a_pause_leaves_other_domains_alone() -> None:
     pauses, clock = (throttle := Throttle()).pauses, throttle.clock
     pauses.pause(A, 10.0)
-    assert not pauses.voided(B, clock.wall() - 1, clock.now + 5)
+    assert not pauses.is_void(B, clock.wall() - 1, clock.now + 5)
 
 
 @async_test
@@ -59,9 +59,9 @@ async def test_a_moment_reserved_in_another_process_counts_its_clocks_margin() -
     pauses, clock = (throttle := Throttle()).pauses, throttle.clock
     pauses.pause(A, 10.0)
     reserved_at = clock.wall() + CLOCK_MARGIN / 2
-    assert pauses.voided(A, reserved_at, clock.now + 5, elsewhere=True)
-    assert not pauses.voided(A, reserved_at, clock.now + 5)
-    assert not pauses.voided(A, clock.wall() + 2 * CLOCK_MARGIN, clock.now + 5, elsewhere=True)
+    assert pauses.is_void(A, reserved_at, clock.now + 5, elsewhere=True)
+    assert not pauses.is_void(A, reserved_at, clock.now + 5)
+    assert not pauses.is_void(A, clock.wall() + 2 * CLOCK_MARGIN, clock.now + 5, elsewhere=True)
 
 
 @async_test
@@ -69,8 +69,8 @@ async def test_a_pause_heard_late_counts_from_when_it_happened() -> None:
     pauses, clock = (throttle := Throttle()).pauses, throttle.clock
     reserved_at = clock.wall() - 2  # before the pause (3 s ago), heard only now
     pauses.pause(A, 10.0, age=3.0)
-    assert not pauses.voided(A, reserved_at, clock.now + 5)
-    assert pauses.voided(A, clock.wall() - 4, clock.now + 5)
+    assert not pauses.is_void(A, reserved_at, clock.now + 5)
+    assert pauses.is_void(A, clock.wall() - 4, clock.now + 5)
 
 
 @async_test
@@ -79,7 +79,7 @@ async def test_a_pause_is_no_longer_than_the_longest_allowed() -> None:
     pauses, clock = throttle.pauses, throttle.clock
     pauses.pause(A, 10_000.0)  # a message may say anything
     assert pauses.paused_for(A) == pytest.approx(60.0)
-    assert not pauses.voided(A, clock.wall() - 1, clock.now + 61)
+    assert not pauses.is_void(A, clock.wall() - 1, clock.now + 61)
 
 
 @async_test
@@ -163,8 +163,8 @@ async def test_a_domains_pauses_are_merged_past_the_most_kept() -> None:
         pauses.pause(A, 100.0 - n)  # each heard later, ending sooner: kept apart
         await clock.advance(1.0)
     # Merged into one that voids all they voided, and more: the polite side.
-    assert pauses.voided(A, first_heard - 1, clock.now + 90)
-    assert pauses.voided(A, clock.wall() - 1.5, clock.now + 90)
+    assert pauses.is_void(A, first_heard - 1, clock.now + 90)
+    assert pauses.is_void(A, clock.wall() - 1.5, clock.now + 90)
 
 
 @async_test
@@ -210,8 +210,8 @@ async def test_a_voiding_read_while_listening_serves_that_domain_from_then_on() 
 async def test_a_voiding_read_from_redis_voids_what_it_voided() -> None:
     pauses, clock = (throttle := Throttle()).pauses, throttle.clock
     pauses.read(A, Voiding(age=2.0, left=10.0), clock.wall())
-    assert pauses.voided(A, clock.wall() - 3, clock.now + 9)
-    assert not pauses.voided(A, clock.wall() - 1, clock.now + 9), "reserved after it"
+    assert pauses.is_void(A, clock.wall() - 3, clock.now + 9)
+    assert not pauses.is_void(A, clock.wall() - 1, clock.now + 9), "reserved after it"
 
 
 @async_test

@@ -335,7 +335,7 @@ async def test_a_reserved_moment_from_another_worker_reads_the_voidings_it_misse
     throttle.bucket.voiding = (True, Voiding(left=10.0, age=1.0))
     ticket = Ticket("a.example", now, True, False, wall - 5, wall - 5, elsewhere=True)
     assert await throttle.take(request(), TWO_PER_SECOND, ticket) is WENT
-    assert throttle.bucket.voided_reads == 1
+    assert throttle.bucket.voiding_reads == 1
     assert throttle.stat("voidings_read") == 1
     assert throttle.stat("paused_reservations") == 1
     assert len(throttle.bucket.calls) == 1, "asked again"
@@ -347,7 +347,7 @@ async def test_a_voiding_read_that_voids_nothing_lets_the_moment_stand() -> None
     now, wall = throttle.clock.now, throttle.clock.wall()
     ticket = Ticket("a.example", now, True, False, wall - 5, wall - 5, elsewhere=True)
     assert await throttle.take(request(), TWO_PER_SECOND, ticket) is WENT
-    assert throttle.bucket.voided_reads == 1
+    assert throttle.bucket.voiding_reads == 1
     assert throttle.bucket.calls == []
 
 
@@ -368,7 +368,7 @@ async def test_a_moment_reserved_locally_never_reads_voidings_from_redis() -> No
     now, wall = throttle.clock.now, throttle.clock.wall()
     ticket = Ticket("a.example", now, True, True, wall - 5, wall - 5)
     assert await throttle.take(request(), TWO_PER_SECOND, ticket) is WENT
-    assert throttle.bucket.voided_reads == 0
+    assert throttle.bucket.voiding_reads == 0
 
 
 @async_test
