@@ -21,11 +21,18 @@ from processes import WORKER, finish_crawl_workers, start_crawl_workers, tool, w
 from redis.asyncio import Redis
 from releases import MISSED, RELEASED
 from scrapy.crawler import CrawlerRunner
+from scrapy.settings import Settings
+from scrapy.statscollectors import MemoryStatsCollector
 from scrapy.utils.defer import deferred_from_coro, maybe_deferred_to_future
+from scrapy.utils.test import get_crawler
 from spiders import BASE_SETTINGS, UrlListSpider
 from twisted.internet.defer import Deferred
 
 from scrapy_redis_throttle.bucket import TokenBucket
+from scrapy_redis_throttle.clock import Clock
+from scrapy_redis_throttle.config import ThrottleConfig
+from scrapy_redis_throttle.connection import ThrottleRedis, connect
+from scrapy_redis_throttle.penalties import Pauses
 from scrapy_redis_throttle.redis_schema import server_micros
 from scrapy_redis_throttle.waiting import MOMENT_SLACK
 
@@ -374,3 +381,26 @@ __all__ = [
     "wait_until",
     "wait_until_async",
 ]
+
+
+def listening_pauses(
+    redis_server: RedisServer,
+    release_parked: Callable[[str, float, float], None],
+    clock: Clock | None = None,
+) -> tuple[Pauses, ThrottleRedis, MemoryStatsCollector]:
+    """Pauses on the channel "ch" of *redis_server*, with *release_parked* (and *clock*), not
+    started; their client and stats."""
+    config = ThrottleConfig.from_settings(Settings({"REDIS_THROTTLE_URL": redis_server.url}))
+    client = connect(config)
+    stats = MemoryStatsCollector(get_crawler())
+    pauses = Pauses(
+        client,
+        "ch",
+        stats,
+        dict,
+        lambda _key: None,
+        release_parked,
+        longest=600,
+        clock=clock or Clock(),
+    )
+    return pauses, client, stats

@@ -14,7 +14,6 @@ import re
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -36,6 +35,7 @@ from support import (
     assert_released_paced,
     async_test,
     crawl_settings,
+    listening_pauses,
     pages,
     parked_member,
     run_crawl,
@@ -47,7 +47,7 @@ from scrapy_redis_throttle.bucket import Reservation
 from scrapy_redis_throttle.cli import EXIT_BAD_INPUT
 from scrapy_redis_throttle.clock import Clock
 from scrapy_redis_throttle.config import ThrottleConfig
-from scrapy_redis_throttle.connection import ThrottleRedis, close, connect, connect_url
+from scrapy_redis_throttle.connection import close, connect, connect_url
 from scrapy_redis_throttle.control import LiveControl
 from scrapy_redis_throttle.crawl_delay import MIN_CRAWL_DELAY, parse_crawl_delay
 from scrapy_redis_throttle.errors import ThrottleConfigError
@@ -56,7 +56,6 @@ from scrapy_redis_throttle.penalties import (
     MAX_RETRY_AFTER,
     PAUSES_PER_DOMAIN,
     SWEEP_STEP,
-    Pauses,
     parse_retry_after,
 )
 from scrapy_redis_throttle.rates import Limit, normalize_domain, parse_limit
@@ -223,27 +222,6 @@ async def test_hostile_crawl_delays_affect_only_their_host(redis_server: RedisSe
         pages_only = [a for a in arrivals[host] if a.path != "/robots.txt"]
         assert_released_paced(stats, pages_only, 5, 1, host)
     assert stats["redis_throttle/crawl_delay/applied"] == 2, "A's and B's, as MIN_CRAWL_DELAY"
-
-
-def listening_pauses(
-    redis_server: RedisServer,
-    release_parked: Callable[[str, float, float], None],
-    clock: Clock | None = None,
-) -> tuple[Pauses, ThrottleRedis, MemoryStatsCollector]:
-    config = ThrottleConfig.from_settings(Settings({"REDIS_THROTTLE_URL": redis_server.url}))
-    client = connect(config)
-    stats = MemoryStatsCollector(get_crawler())
-    pauses = Pauses(
-        client,
-        "ch",
-        stats,
-        dict,
-        lambda _key: None,
-        release_parked,
-        longest=600,
-        clock=clock or Clock(),
-    )
-    return pauses, client, stats
 
 
 @async_test

@@ -15,9 +15,7 @@ from local_redis import RedisServer
 from redis_topologies import Topology, throttle_settings
 from scrapy.crawler import Crawler, CrawlerRunner
 from scrapy.settings import Settings
-from scrapy.statscollectors import MemoryStatsCollector
 from scrapy.utils.defer import maybe_deferred_to_future
-from scrapy.utils.test import get_crawler
 from spiders import UrlListSpider
 from support import (
     assert_released_paced,
@@ -25,6 +23,7 @@ from support import (
     crawl_settings,
     documented_acl_rules,
     finish_crawl_workers,
+    listening_pauses,
     one_domain_jobs,
     pages,
     redis_now_us,
@@ -36,10 +35,9 @@ from support import (
 )
 
 from scrapy_redis_throttle.bucket import TokenBucket, Voiding
-from scrapy_redis_throttle.clock import Clock
 from scrapy_redis_throttle.config import Backoff, ThrottleConfig
 from scrapy_redis_throttle.connection import close, connect
-from scrapy_redis_throttle.penalties import Pauses, parse_retry_after
+from scrapy_redis_throttle.penalties import parse_retry_after
 from scrapy_redis_throttle.rates import Limit
 from scrapy_redis_throttle.redis_schema import bucket_key, penalty_channel, penalty_key
 
@@ -366,18 +364,7 @@ async def test_one_read_of_a_domains_last_voiding_serves_every_request_of_it(
     """A moment reserved before this worker subscribed (in another process, up to CLOCK_MARGIN
     after it) needs the domain's last voiding read from Redis; one read made while subscribed
     serves every later request of that domain, since the channel tells what comes after."""
-    config = ThrottleConfig.from_settings(Settings({"REDIS_THROTTLE_URL": redis_server.url}))
-    client = connect(config)
-    pauses = Pauses(
-        client,
-        "ch",
-        MemoryStatsCollector(get_crawler()),
-        dict,
-        lambda _key: None,
-        lambda *_: None,
-        longest=600,
-        clock=Clock(),
-    )
+    pauses, client, _ = listening_pauses(redis_server, lambda *_: None)
     try:
         before = time.time()
         await pauses.start()
@@ -409,20 +396,8 @@ async def test_messages_that_are_not_pauses_are_counted_and_void_nothing(
     empty pauses, no domain. Each is counted, the first logged; none voids anything, and the
     listener goes on to hear the next real pause."""
     caplog.set_level(logging.WARNING, logger="scrapy_redis_throttle")
-    config = ThrottleConfig.from_settings(Settings({"REDIS_THROTTLE_URL": redis_server.url}))
-    client = connect(config)
-    stats = MemoryStatsCollector(get_crawler())
     voided: list[str] = []
-    pauses = Pauses(
-        client,
-        "ch",
-        stats,
-        dict,
-        lambda _key: None,
-        lambda key, *_: voided.append(key),
-        longest=600,
-        clock=Clock(),
-    )
+    pauses, client, stats = listening_pauses(redis_server, lambda key, *_: voided.append(key))
     bad = [b"1" + b"0" * 400 + b" a.example", b"-5 a.example", "²³ a.example".encode(), b"", b"7"]
     try:
         await pauses.start()
