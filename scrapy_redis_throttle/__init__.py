@@ -5,6 +5,7 @@ from .bucket import AcquireResult, TokenBucket
 from .config import ThrottleConfig
 from .errors import InvalidThrottleDomain, InvalidThrottleMeta, ThrottleConfigError
 from .middleware import RedisThrottleMiddleware
+from .parking_scheduler import ParkingScheduler
 from .rates import Limit
 from .scheduler import RedisThrottleScheduler, ThrottleScheduler
 
@@ -14,6 +15,7 @@ __all__ = [
     "InvalidThrottleDomain",
     "InvalidThrottleMeta",
     "Limit",
+    "ParkingScheduler",
     "RedisThrottleMiddleware",
     "RedisThrottleScheduler",
     "ThrottleConfig",

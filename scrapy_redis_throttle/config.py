@@ -12,7 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from scrapy.core.scheduler import BaseScheduler
 from scrapy.exceptions import NotConfigured
+from scrapy.utils.misc import load_object
 
 from .errors import ThrottleConfigError
 from .rates import LimitTable, build_table, parse_burst, parse_limit, parse_positive_int, parse_rate
@@ -143,6 +145,35 @@ def _queue_redis(settings: BaseSettings) -> tuple[str, Mapping[str, Any]] | Thro
         return queue_redis_connection(settings)
     except ThrottleConfigError as error:
         return error
+
+
+# What ParkingScheduler composes with parking when REDIS_THROTTLE_SCHEDULER names none: Scrapy's
+# own, as SCHEDULER's default.
+DEFAULT_SCHEDULER = "scrapy.core.scheduler.Scheduler"
+
+
+def inner_scheduler(settings: BaseSettings) -> type[BaseScheduler]:
+    """``REDIS_THROTTLE_SCHEDULER``: the scheduler :class:`.ParkingScheduler` composes with
+    parking (the add-on sets it to the project's ``SCHEDULER``), a class or its import path."""
+    from .parking_scheduler import composes_parking  # (it reads this setting with this)
+
+    value = settings.get("REDIS_THROTTLE_SCHEDULER") or DEFAULT_SCHEDULER
+    try:
+        scheduler = load_object(value) if isinstance(value, str) else value
+    except (ImportError, ValueError, NameError, AttributeError) as error:
+        raise ThrottleConfigError(
+            f"REDIS_THROTTLE_SCHEDULER {value!r} cannot be imported: {error}"
+        ) from None
+    if (
+        not isinstance(scheduler, type)
+        or not issubclass(scheduler, BaseScheduler)
+        or composes_parking(scheduler)
+    ):
+        raise ThrottleConfigError(
+            "REDIS_THROTTLE_SCHEDULER must name a scheduler class to compose with parking (not "
+            f"ParkingScheduler itself), got {value!r}"
+        )
+    return scheduler
 
 
 @dataclass(frozen=True)

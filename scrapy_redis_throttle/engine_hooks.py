@@ -1,40 +1,41 @@
 """Where the throttle hooks into Scrapy's engine and scheduler: the parking area and the leases
-are attached to the scheduler the engine runs, whatever its class, by wrapping methods of those
-live objects. Scrapy offers no public hook for these; this module alone reaches for what is not
-public, and it is checked against Scrapy 2.14 to 2.19 and scrapy-redis 0.9.1 (``tox -e min``,
-``py``, ``peers``, ``peers-min``):
+are attached to the scheduler the engine runs, whatever its class. With the add-on, that is a
+:class:`.ParkingScheduler` (through the public ``SCHEDULER`` setting), which parks with it.
+With the middleware line alone, the engine built the project's scheduler before any public hook
+runs, and a ParkingScheduler's methods are bound on that instance.
 
-* ``engine.scheduler`` (public from Scrapy 2.15), else ``engine._slot.scheduler``;
+What is not public, this module alone reaches for, checked against Scrapy 2.14 to 2.19 and
+scrapy-redis 0.9.1 (``tox -e min``, ``py``, ``peers``, ``peers-min``):
+
+* ``engine._slot.scheduler`` before Scrapy 2.15 (``engine.scheduler`` from then on);
 * ``engine._slot.remove_request``, the engine's end of a request: a lease is acknowledged there;
-* the scheduler's ``enqueue_request``, ``next_request``, ``has_pending_requests`` and ``close``,
-  and scrapy-redis's ``queue.pop`` and ``idle_before_close``, wrapped on their instances.
+* with the middleware line alone, the scheduler's ``enqueue_request``, ``next_request``,
+  ``has_pending_requests`` and ``close``, bound on its instance;
+* scrapy-redis's ``queue.pop``, wrapped on its instance for the leases.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-from scrapy.utils.defer import deferred_from_coro, maybe_deferred_to_future
 from scrapy_redis.scheduler import Scheduler as ScrapyRedisScheduler
 
 from .connection import connect_url
 from .errors import ThrottleConfigError
-from .leases import LEASE_META, Leases, queue_kind
+from .leases import Leases, queue_kind
 from .parking import ParkingArea
+from .parking_scheduler import PARKING_METHODS, ParkingScheduler, composes_parking
 from .parking_stores import MemoryParking
 from .redis_parking import RedisParking
 from .redis_schema import leases_key, lessees_key, moments_key, parking_key
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from redis.asyncio import Redis
     from scrapy import Request
     from scrapy.core.scheduler import BaseScheduler
     from scrapy.crawler import Crawler
-    from twisted.internet.defer import Deferred
 
     from .clock import Clock
     from .config import ThrottleConfig
@@ -100,11 +101,14 @@ def attach(
     unreserve: Unreserve | None = None,
     seals: Seals | None = None,
 ) -> ParkingArea:
-    """Attach a parking area to the engine's *scheduler*, whatever its class: its
-    ``enqueue_request``, ``next_request``, ``has_pending_requests`` and ``close`` are wrapped
-    on this instance (the engine calls them there), so that parked requests are taken before
-    the scheduler sees them, come back ahead of its own, keep the spider open, and are kept or
-    dropped at its close as its own queue is."""
+    """Attach a parking area to the engine's *scheduler*, whatever its class: a
+    :class:`.ParkingScheduler` (the add-on's) parks with it; any other is made to decide as one
+    (its methods that parking takes part in are bound on this instance, where the engine calls
+    them), so that parked requests are taken before the scheduler sees them, come back ahead of
+    its own, keep the spider open, and are kept or dropped at its close as its own queue is."""
+    composed = cast("ParkingScheduler", scheduler) if composes_parking(scheduler) else None
+    if composed is not None:
+        scheduler = composed.inner
     spider = crawler.spider
     assert spider is not None
     crawl = config.crawl
@@ -150,7 +154,10 @@ def attach(
             clock=clock,
             unreserve=unreserve,
         )
-    _wrap(scheduler, area)
+    if composed is None:
+        composed = ParkingScheduler(scheduler)
+        _bind(scheduler, composed)
+    composed.park_with(area)
     return area
 
 
@@ -187,59 +194,8 @@ def _leases(
     return leases
 
 
-def _wrap(scheduler: BaseScheduler, area: ParkingArea) -> None:
-    enqueue_request = scheduler.enqueue_request
-    next_request = scheduler.next_request
-    has_pending_requests = scheduler.has_pending_requests
-    close: Callable[[str], Deferred[None] | None] | None = getattr(scheduler, "close", None)
-
-    leases = getattr(area.store, "leases", None)
-
-    def enqueue(request: Request) -> bool:
-        taken = area.enqueue_request(request)
-        if taken is not None:
-            return taken
-        # A retry, a redirect or a request given back: once in the queue, the lease it carries
-        # (its original's) goes; popped again, it is leased again.
-        lease = request.meta.pop(LEASE_META, None)
-        queued = enqueue_request(request)
-        if leases is not None:
-            leases.release(lease)
-        return queued
-
-    # scrapy-redis's SCHEDULER_IDLE_BEFORE_CLOSE: with an empty FIFO or LIFO queue, its
-    # next_request blocks the reactor that long (BRPOP) waiting for more, before the spider may
-    # idle. While requests download, wait in the throttle or are parked, the spider cannot idle
-    # anyway, and the block would only delay them (held requests wake late, parked ones come
-    # back late: their moments are missed).
-    idle_before_close = getattr(scheduler, "idle_before_close", None)
-
-    def next_one() -> Request | None:
-        if not (idle_before_close and (area.handoff.busy() or area.has_pending_requests())):
-            return area.handoff.next_request(next_request)
-        scheduler.idle_before_close = 0  # type: ignore[attr-defined]
-        try:
-            return area.handoff.next_request(next_request)
-        finally:
-            scheduler.idle_before_close = idle_before_close  # type: ignore[attr-defined]
-
-    def pending() -> bool:
-        return area.has_pending_requests() or has_pending_requests()
-
-    async def close_both(reason: str) -> None:
-        try:
-            await area.stop()  # first: the scheduler's close may flush or save its queue
-        finally:
-            if close is not None and (result := close(reason)) is not None:
-                await maybe_deferred_to_future(result)
-
-    def closing(reason: str) -> Deferred[None]:
-        return deferred_from_coro(close_both(reason))
-
-    for name, method in (
-        ("enqueue_request", enqueue),
-        ("next_request", next_one),
-        ("has_pending_requests", pending),
-        ("close", closing),
-    ):
-        setattr(scheduler, name, method)
+def _bind(scheduler: BaseScheduler, composed: ParkingScheduler) -> None:
+    """Make *scheduler*, which the engine already runs, decide as *composed* (itself, with
+    parking): its methods that parking takes part in are *composed*'s, on this instance."""
+    for name in PARKING_METHODS:
+        setattr(scheduler, name, getattr(composed, name))

@@ -69,10 +69,18 @@ FRONTIERS = {"even": EVEN, "slow-rich": SLOW_RICH}
 FRONTIER_DEADLINE = 30.0
 
 
-def one_line_settings(redis_url: str, per_domain: int | None, **overrides: Any) -> dict[str, Any]:
-    """The one-line set-up, with Scrapy's default CONCURRENT_REQUESTS (16)."""
+def one_line_settings(
+    redis_url: str, per_domain: int | None, addon: bool = False, **overrides: Any
+) -> dict[str, Any]:
+    """The one-line set-up, the middleware line or the *addon*, with Scrapy's default
+    CONCURRENT_REQUESTS (16)."""
+    line = (
+        {"ADDONS": {"scrapy_redis_throttle.Addon": 500}}
+        if addon
+        else {"DOWNLOADER_MIDDLEWARES": {"scrapy_redis_throttle.RedisThrottleMiddleware": 950}}
+    )
     settings: dict[str, Any] = {
-        "DOWNLOADER_MIDDLEWARES": {"scrapy_redis_throttle.RedisThrottleMiddleware": 950},
+        **line,
         "SCHEDULER": "scrapy_redis.scheduler.Scheduler",
         "DUPEFILTER_CLASS": "scrapy_redis.dupefilter.RFPDupeFilter",
         "SCHEDULER_PERSIST": True,

@@ -45,7 +45,12 @@ from support import (
 )
 from tcp_proxy import TcpProxy
 
-from scrapy_redis_throttle import Addon, RedisThrottleMiddleware, ThrottleConfigError
+from scrapy_redis_throttle import (
+    Addon,
+    ParkingScheduler,
+    RedisThrottleMiddleware,
+    ThrottleConfigError,
+)
 
 A, B, C = HOSTS
 
@@ -504,7 +509,6 @@ def test_addon_adds_the_middleware_without_overriding_the_user() -> None:
 
     settings = with_addon()
     assert settings.getdict("DOWNLOADER_MIDDLEWARES") == {RedisThrottleMiddleware: 950}
-    assert settings["SCHEDULER"] == "scrapy.core.scheduler.Scheduler", "any scheduler parks"
     settings = with_addon(
         DOWNLOADER_MIDDLEWARES={"scrapy_redis_throttle.RedisThrottleMiddleware": 123},
         SCHEDULER="scrapy_redis.scheduler.Scheduler",
@@ -512,7 +516,9 @@ def test_addon_adds_the_middleware_without_overriding_the_user() -> None:
     assert settings.getdict("DOWNLOADER_MIDDLEWARES") == {
         "scrapy_redis_throttle.RedisThrottleMiddleware": 123
     }
-    assert settings["SCHEDULER"] == "scrapy_redis.scheduler.Scheduler"
+    # The project's scheduler queues its requests, composed with parking (see
+    # tests/unit/test_parking_scheduler.py).
+    assert settings["REDIS_THROTTLE_SCHEDULER"] == "scrapy_redis.scheduler.Scheduler"
 
 
 @async_test
@@ -530,5 +536,6 @@ async def test_addon_enables_throttling_in_a_crawl_without_deprecation_warnings(
         if "scrapy_redis_throttle" in w.filename or "RedisThrottle" in str(w.message)
     ]
     assert ours == [], [str(w.message) for w in ours]
+    assert crawler.engine.scheduler_cls is ParkingScheduler
     assert crawler.stats.get_value("redis_throttle/requests") == 3
     assert crawler.stats.get_value("redis_throttle/delayed") == 2

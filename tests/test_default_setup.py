@@ -44,9 +44,13 @@ from support import achieved_rate, assert_released_paced, missed_moments, wait_u
 
 UTILISATION = 0.9
 
-# Scrapy's default CONCURRENT_REQUESTS_PER_DOMAIN (8) is None: not set.
-PER_DOMAIN = pytest.mark.parametrize(
-    "per_domain", [1, None], ids=["per-domain-1", "per-domain-default"]
+# The two one-line set-ups, each with one of the two concurrencies (Scrapy's default
+# CONCURRENT_REQUESTS_PER_DOMAIN, 8, is None: not set): the middleware line binds parking onto
+# the project's scheduler, the add-on composes it (ParkingScheduler).
+SETUPS = pytest.mark.parametrize(
+    ("per_domain", "addon"),
+    [(1, False), (None, True)],
+    ids=["middleware-line-per-domain-1", "addon-per-domain-default"],
 )
 
 CLOSE_TIMEOUT = 8
@@ -65,9 +69,9 @@ OUTAGE_PAGES = OUTAGE.burst + int(OUTAGE.rate * 22)
 
 
 @pytest.mark.parametrize("frontier", FRONTIERS)
-@PER_DOMAIN
+@SETUPS
 def test_every_domain_uses_its_whole_budget(
-    redis_server: RedisServer, frontier: str, per_domain: int | None
+    redis_server: RedisServer, frontier: str, per_domain: int | None, addon: bool
 ) -> None:
     """Every domain with work gets at least 0.9 of its budget while it has work, none more
     than its budget (no 429), whatever the other domains' share of the frontier. Slow-rich: the
@@ -75,7 +79,7 @@ def test_every_domain_uses_its_whole_budget(
     judged; the slow one must only keep its pace."""
     counts = FRONTIERS[frontier]
     overload = {domain.host: domain.overload() for domain in DOMAINS}
-    settings = one_line_settings(redis_server.url, per_domain)
+    settings = one_line_settings(redis_server.url, per_domain, addon)
     with DemoSite(HOSTS, pages=counts, overload=overload) as site:
         jobs = fleet_jobs(site, settings, counts, RATES)
         with fleet(redis_server.url, jobs) as workers:
@@ -141,14 +145,16 @@ def test_every_domain_uses_its_whole_budget(
     assert low == {}, f"domains that used under {UTILISATION:g} of their budget while busy: {low}"
 
 
-@PER_DOMAIN
+@SETUPS
 def test_closespider_timeout_closes_every_worker_promptly(
-    redis_server: RedisServer, per_domain: int | None
+    redis_server: RedisServer, per_domain: int | None, addon: bool
 ) -> None:
     """With far more work than fits in CLOSESPIDER_TIMEOUT, each worker closes within
     CLOSE_GRACE of it (its stat elapsed_time_seconds counts from its spider's opening)."""
     overload = {domain.host: domain.overload() for domain in DOMAINS}
-    settings = one_line_settings(redis_server.url, per_domain, CLOSESPIDER_TIMEOUT=CLOSE_TIMEOUT)
+    settings = one_line_settings(
+        redis_server.url, per_domain, addon, CLOSESPIDER_TIMEOUT=CLOSE_TIMEOUT
+    )
     with DemoSite(HOSTS, pages=HUGE, overload=overload) as site:
         with fleet(redis_server.url, fleet_jobs(site, settings, HUGE, RATES)) as workers:
             # The workers opened before the go: CLOSE_TIMEOUT from it is an upper bound.
@@ -169,14 +175,14 @@ def test_closespider_timeout_closes_every_worker_promptly(
     assert refused(arrivals) == 0, refusals(arrivals)
 
 
-@PER_DOMAIN
+@SETUPS
 def test_sigint_closes_every_worker_promptly(
-    redis_server: RedisServer, per_domain: int | None
+    redis_server: RedisServer, per_domain: int | None, addon: bool
 ) -> None:
     """Ctrl-C mid-crawl (with work waiting for every domain): each worker exits, cleanly,
     within CLOSE_GRACE of its signal."""
     overload = {domain.host: domain.overload() for domain in DOMAINS}
-    settings = one_line_settings(redis_server.url, per_domain)
+    settings = one_line_settings(redis_server.url, per_domain, addon)
     with DemoSite(HOSTS, pages=HUGE, overload=overload) as site:
         with fleet(redis_server.url, fleet_jobs(site, settings, HUGE, RATES)) as workers:
             wait_until(
@@ -204,14 +210,18 @@ FAULTS: dict[str, tuple[Callable[[RedisServer], object], Callable[[RedisServer],
 }
 
 
-# Each fault with one of the two concurrencies: they pace one domain alike while Redis fails.
+# Each fault with one of the two set-ups: they pace one domain alike while Redis fails.
 @pytest.mark.parametrize(
-    ("fault", "per_domain"),
-    [("killed", None), ("stopped", 1)],
-    ids=["killed-per-domain-default", "stopped-per-domain-1"],
+    ("fault", "per_domain", "addon"),
+    [("killed", None, True), ("stopped", 1, False)],
+    ids=["killed-addon-per-domain-default", "stopped-middleware-line-per-domain-1"],
 )
 def test_an_outage_of_the_throttles_redis_keeps_the_fleet_within_the_limit(
-    redis_server: RedisServer, own_redis: RedisServer, fault: str, per_domain: int | None
+    redis_server: RedisServer,
+    own_redis: RedisServer,
+    fault: str,
+    per_domain: int | None,
+    addon: bool,
 ) -> None:
     """The throttle on a Redis of its own (REDIS_THROTTLE_URL; scrapy-redis's queue and parked
     requests stay in REDIS_URL, untouched) fails for FAULT_SECONDS. No
@@ -225,6 +235,7 @@ def test_an_outage_of_the_throttles_redis_keeps_the_fleet_within_the_limit(
     settings = one_line_settings(
         redis_server.url,
         per_domain,
+        addon,
         REDIS_THROTTLE_URL=own_redis.url,
         # With the default horizon (300 s) the whole frontier is reserved in Redis in the first
         # seconds, and a fault after that goes unseen (the moments are the fleet's already):

@@ -7,30 +7,33 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from scrapy import Request
+from scrapy import Request, Spider
+from scrapy.core.scheduler import BaseScheduler
 from scrapy.settings import Settings
 from scrapy.statscollectors import MemoryStatsCollector
 from scrapy.utils.test import get_crawler
 
 from scrapy_redis_throttle.activity import Activity
-from scrapy_redis_throttle.bucket import AcquireResult, Voiding
+from scrapy_redis_throttle.bucket import AcquireResult, Reservation, Unreserved, Voiding
 from scrapy_redis_throttle.budgets import Budget, RequestBudget
 from scrapy_redis_throttle.clock import Clock
 from scrapy_redis_throttle.config import ThrottleConfig
 from scrapy_redis_throttle.fallback import Grant
 from scrapy_redis_throttle.local_buckets import LocalBuckets
+from scrapy_redis_throttle.parking import ParkingArea
+from scrapy_redis_throttle.parking_stores import MemoryParking
 from scrapy_redis_throttle.penalties import Pauses
 from scrapy_redis_throttle.rates import Limit, parse_limit
 from scrapy_redis_throttle.resilience import ResilientBucket
 from scrapy_redis_throttle.server_clock import ServerClock
-from scrapy_redis_throttle.tickets import Ticket
+from scrapy_redis_throttle.tickets import TICKET_META, Ticket
 from scrapy_redis_throttle.waiting import Turns, Went
 
 _T = TypeVar("_T")
@@ -306,3 +309,90 @@ def resilient_bucket(
         bucket=scripts,  # type: ignore[arg-type]
     )
     return bucket, scripts, collector
+
+
+RESERVATION = Reservation(after=7_000_000, step=500_000, at=1_000_000)
+A = "a.example"
+
+
+class Yard:
+    """A parking area attached as :func:`.engine_hooks.attach` attaches it: the engine's ``crawl()``
+    goes to its ``enqueue_request``, and the scheduler's own requests come from
+    :attr:`scheduled`."""
+
+    def __init__(
+        self,
+        keep: bool = False,
+        concurrency: int = 16,
+        keep_into: Callable[[Request], object] | None = None,
+    ) -> None:
+        self.clock = FakeClock()
+        self.crawler = FakeCrawler()
+        self.kept: list[Request] = []
+        self.given_back: list[tuple[str, list[Reservation]]] = []
+        self.store = MemoryParking(keep_into or self.kept.append, self.clock)
+        self.area = ParkingArea(
+            self.crawler,  # type: ignore[arg-type]
+            self.store,
+            keep=keep,
+            concurrency=concurrency,
+            clock=self.clock,
+            unreserve=self.unreserve,
+        )
+        self.crawler.engine.enqueue = self.area.enqueue_request
+        self.scheduled: list[Request] = []
+
+    async def unreserve(self, domain: str, reservations: list[Reservation]) -> Unreserved:
+        self.given_back.append((domain, reservations))
+        return Unreserved(len(reservations), 0)
+
+    def ticket(
+        self, due_in: float, domain: str = A, reserved: bool = True, age: float = 0.0
+    ) -> Ticket:
+        wall = self.clock.wall() - age
+        reservation = RESERVATION if reserved else None
+        due = self.clock.now + due_in
+        return Ticket(domain, due, reserved, False, wall, wall, reservation=reservation)
+
+    def park(self, ticket: Ticket, n: int = 0) -> Request:
+        request = Request(f"http://{ticket.domain}/{n}", meta={TICKET_META: ticket})
+        assert self.area.enqueue_request(request) is True
+        return request
+
+    def next_request(self) -> Request | None:
+        return self.area.handoff.next_request(
+            lambda: self.scheduled.pop(0) if self.scheduled else None
+        )
+
+    def stat(self, name: str) -> Any:
+        return self.crawler.stats.get_value(f"redis_throttle/{name}")
+
+
+class ListScheduler(BaseScheduler):
+    """A scheduler of a list, recording what is done to it (``calls``)."""
+
+    def __init__(self) -> None:
+        self.queue: list[Request] = []
+        self.calls: list[str] = []
+        self.idle_before_close = 0
+
+    def open(self, spider: Spider) -> None:
+        self.calls.append("open")
+
+    def close(self, reason: str) -> None:
+        self.calls.append(f"close {reason}")
+
+    def has_pending_requests(self) -> bool:
+        return bool(self.queue)
+
+    def enqueue_request(self, request: Request) -> bool:
+        self.calls.append(f"enqueue {request.url}")
+        self.queue.append(request)
+        return True
+
+    def next_request(self) -> Request | None:
+        self.calls.append(f"next idle_before_close={self.idle_before_close}")
+        return self.queue.pop(0) if self.queue else None
+
+    def __len__(self) -> int:
+        return len(self.queue)

@@ -4,69 +4,17 @@ clock and a fake engine."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
-from fakes import FakeClock, FakeCrawler
+from fakes import RESERVATION, FakeClock, Yard
 from scrapy import Request
 from support import async_test
 
-from scrapy_redis_throttle.bucket import Reservation, Unreserved
-from scrapy_redis_throttle.parking import BUSY_RETRY, RELEASE_AHEAD, ParkingArea
+from scrapy_redis_throttle.parking import BUSY_RETRY, RELEASE_AHEAD
 from scrapy_redis_throttle.parking_stores import MemoryParking
 from scrapy_redis_throttle.request_codec import Unparkable
 from scrapy_redis_throttle.tickets import TICKET_META, Ticket
 
 A, B = "a.example", "b.example"
-RESERVATION = Reservation(after=7_000_000, step=500_000, at=1_000_000)
-
-
-class Yard:
-    """A parking area attached as :func:`.engine_hooks.attach` attaches it: the engine's ``crawl()``
-    goes to its ``enqueue_request``, and the scheduler's own requests come from
-    :attr:`scheduled`."""
-
-    def __init__(self, keep: bool = False, concurrency: int = 16) -> None:
-        self.clock = FakeClock()
-        self.crawler = FakeCrawler()
-        self.kept: list[Request] = []
-        self.given_back: list[tuple[str, list[Reservation]]] = []
-        self.store = MemoryParking(self.kept.append, self.clock)
-        self.area = ParkingArea(
-            self.crawler,  # type: ignore[arg-type]
-            self.store,
-            keep=keep,
-            concurrency=concurrency,
-            clock=self.clock,
-            unreserve=self.unreserve,
-        )
-        self.crawler.engine.enqueue = self.area.enqueue_request
-        self.scheduled: list[Request] = []
-
-    async def unreserve(self, domain: str, reservations: list[Reservation]) -> Unreserved:
-        self.given_back.append((domain, reservations))
-        return Unreserved(len(reservations), 0)
-
-    def ticket(
-        self, due_in: float, domain: str = A, reserved: bool = True, age: float = 0.0
-    ) -> Ticket:
-        wall = self.clock.wall() - age
-        reservation = RESERVATION if reserved else None
-        due = self.clock.now + due_in
-        return Ticket(domain, due, reserved, False, wall, wall, reservation=reservation)
-
-    def park(self, ticket: Ticket, n: int = 0) -> Request:
-        request = Request(f"http://{ticket.domain}/{n}", meta={TICKET_META: ticket})
-        assert self.area.enqueue_request(request) is True
-        return request
-
-    def next_request(self) -> Request | None:
-        return self.area.handoff.next_request(
-            lambda: self.scheduled.pop(0) if self.scheduled else None
-        )
-
-    def stat(self, name: str) -> Any:
-        return self.crawler.stats.get_value(f"redis_throttle/{name}")
 
 
 @async_test
