@@ -155,8 +155,7 @@ def attach(
             unreserve=unreserve,
         )
     if composed is None:
-        composed = ParkingScheduler(scheduler)
-        _bind(scheduler, composed)
+        composed = bind_parking(scheduler)
     composed.park_with(area)
     return area
 
@@ -194,8 +193,11 @@ def _leases(
     return leases
 
 
-def _bind(scheduler: BaseScheduler, composed: ParkingScheduler) -> None:
-    """Make *scheduler*, which the engine already runs, decide as *composed* (itself, with
-    parking): its methods that parking takes part in are *composed*'s, on this instance."""
+def bind_parking(scheduler: BaseScheduler) -> ParkingScheduler:
+    """Make *scheduler*, which the engine already runs, decide as a :class:`.ParkingScheduler`
+    composed of itself: its methods that parking takes part in become that one's, on this
+    instance. Until the ParkingScheduler parks with an area, they are the scheduler's own."""
+    composed = ParkingScheduler(scheduler)
     for name in PARKING_METHODS:
         setattr(scheduler, name, getattr(composed, name))
+    return composed

@@ -114,13 +114,14 @@ class ParkingScheduler(BaseScheduler):
         area = self._area
         return (area is not None and area.has_pending_requests()) or self._pending()
 
-    def close(self, reason: str) -> Deferred[None]:
-        return deferred_from_coro(self._close_both(reason))
+    def close(self, reason: str) -> Deferred[None] | None:
+        if self._area is None:  # (its close, as it is: some are expected to act at once)
+            return None if self._close is None else self._close(reason)
+        return deferred_from_coro(self._close_both(self._area, reason))
 
-    async def _close_both(self, reason: str) -> None:
+    async def _close_both(self, area: ParkingArea, reason: str) -> None:
         try:
-            if self._area is not None:
-                await self._area.stop()  # first: the inner close may flush or save its queue
+            await area.stop()  # first: the inner close may flush or save its queue
         finally:
             if self._close is not None and (result := self._close(reason)) is not None:
                 await maybe_deferred_to_future(result)

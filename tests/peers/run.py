@@ -1,10 +1,10 @@
-"""Scrapy's and scrapy-redis's own scheduler tests, unedited, with our schedulers in place of
-theirs: ``tox -e peers``.
+"""Scrapy's and scrapy-redis's own scheduler tests, unedited, with parking's methods bound on
+their schedulers: ``tox -e peers``.
 
 It fetches the released sdists of the installed Scrapy and scrapy-redis from the package index,
 starts a redis-server of its own on a free port (scrapy-redis's tests clear their keys in it),
-runs each peer's scheduler test modules twice (with its classes, then with ours bound in their
-place by the ``bind_ours`` plugin) and fails when a test that passes with theirs does not pass
+runs each peer's scheduler test modules twice (with its classes, then with parking bound on
+them by the ``bind_ours`` plugin) and fails when a test that passes with theirs does not pass
 with ours, or when ours were never made.
 """
 

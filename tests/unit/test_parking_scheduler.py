@@ -17,7 +17,7 @@ from support import async_test
 
 from scrapy_redis_throttle import Addon, ParkingScheduler, ThrottleConfigError
 from scrapy_redis_throttle.config import inner_scheduler
-from scrapy_redis_throttle.engine_hooks import _bind
+from scrapy_redis_throttle.engine_hooks import bind_parking
 
 
 def composed(yard: Yard | None = None) -> tuple[ParkingScheduler, ListScheduler]:
@@ -30,6 +30,7 @@ def composed(yard: Yard | None = None) -> tuple[ParkingScheduler, ListScheduler]
 
 
 def test_without_a_parking_area_it_is_the_project_scheduler() -> None:
+    """What the peers' own scheduler tests check too (tests/peers), bound onto theirs."""
     scheduler, inner = composed()
     spider = Spider("s")
     scheduler.open(spider)
@@ -39,7 +40,9 @@ def test_without_a_parking_area_it_is_the_project_scheduler() -> None:
     assert scheduler.has_pending_requests()
     assert scheduler.queue is inner.queue, "what is read of it is the inner scheduler's"
     assert scheduler.next_request() is request
+    assert scheduler.close("finished") is None, "its own close, at once"
     assert inner.calls[:2] == ["open", "enqueue http://a.example/1"]
+    assert inner.calls[-1] == "close finished"
 
 
 @async_test
@@ -98,6 +101,7 @@ async def test_at_the_close_parked_requests_are_kept_before_the_project_closes()
     yard.park(yard.ticket(60.0))
     await yard.clock.advance(0)
     closing = scheduler.close("finished")
+    assert closing is not None, "it stops the parking area first"
     await yard.clock.run(maybe_deferred_to_future(closing))
     assert inner.calls == ["enqueue http://a.example/0", "close finished"]
 
@@ -108,8 +112,7 @@ async def test_bound_onto_the_project_scheduler_it_decides_the_same() -> None:
     become a ParkingScheduler's, which still calls the originals (no recursion)."""
     yard = Yard()
     inner = ListScheduler()
-    scheduler = ParkingScheduler(inner)
-    _bind(inner, scheduler)
+    scheduler = bind_parking(inner)
     scheduler.park_with(yard.area)
     yard.crawler.engine.enqueue = inner.enqueue_request
     inner.enqueue_request(Request("http://b.example/own"))
