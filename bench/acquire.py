@@ -46,6 +46,7 @@ from scrapy.settings import Settings  # noqa: E402
 from scrapy.statscollectors import MemoryStatsCollector  # noqa: E402
 from scrapy.utils.test import get_crawler  # noqa: E402
 
+from scrapy_redis_throttle.budgets import Budget  # noqa: E402
 from scrapy_redis_throttle.clock import Clock  # noqa: E402
 from scrapy_redis_throttle.config import ThrottleConfig  # noqa: E402
 from scrapy_redis_throttle.connection import connect_url  # noqa: E402
@@ -153,10 +154,10 @@ async def ours(
     proxies = [f"proxy-{n}.example:8080" for n in range(10)]
     proxy_limit = Limit(FAST.rate, FAST.requests, "never binds")
 
-    def others(key: str) -> list[tuple[str, Limit]]:
+    def others(key: str) -> list[Budget]:
         budgets = [
-            (f"img.{key}", limit),
-            (proxies[zlib.crc32(key.encode()) % len(proxies)], proxy_limit),
+            Budget(f"img.{key}", limit),
+            Budget(proxies[zlib.crc32(key.encode()) % len(proxies)], proxy_limit),
         ]
         return budgets[: scopes - 1]
 

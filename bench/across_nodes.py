@@ -42,6 +42,7 @@ from scrapy.settings import Settings  # noqa: E402
 from scrapy.statscollectors import MemoryStatsCollector  # noqa: E402
 from scrapy.utils.test import get_crawler  # noqa: E402
 
+from scrapy_redis_throttle.budgets import Budget  # noqa: E402
 from scrapy_redis_throttle.clock import Clock  # noqa: E402
 from scrapy_redis_throttle.config import ThrottleConfig  # noqa: E402
 from scrapy_redis_throttle.connection import close, connect  # noqa: E402
@@ -60,11 +61,11 @@ SITE, SITE_LIMIT = "shop.example", Limit(rate=1000, burst=1, text="1000/s")
 PROXY, PROXY_LIMIT = "proxy.example:8080", Limit(rate=200, burst=1, text="200/s")
 
 
-def others(domain: str, scopes: int) -> list[tuple[str, Limit]]:
+def others(domain: str, scopes: int) -> list[Budget]:
     """A request's other budgets under *scopes* scopes: its host's, and one of 10 proxies'."""
     budgets = [
-        (f"img.{domain}", NEVER_BINDS),
-        (PROXIES[zlib.crc32(domain.encode()) % len(PROXIES)], NEVER_BINDS),
+        Budget(f"img.{domain}", NEVER_BINDS),
+        Budget(PROXIES[zlib.crc32(domain.encode()) % len(PROXIES)], NEVER_BINDS),
     ]
     return budgets[: scopes - 1]
 
@@ -154,7 +155,9 @@ async def contended(
         nonlocal asks
         while True:
             asks += 1
-            result = (await bucket.acquire(SITE, SITE_LIMIT, 1, [(PROXY, PROXY_LIMIT)])).result
+            result = (
+                await bucket.acquire(SITE, SITE_LIMIT, 1, [Budget(PROXY, PROXY_LIMIT)])
+            ).result
             if result.allowed or result.reserved:
                 assert result.moment_us is not None
                 moments.append(result.moment_us)

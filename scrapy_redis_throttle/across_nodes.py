@@ -88,7 +88,7 @@ class CallsStopped(Exception):
     not call Redis, the policy decides."""
 
 
-class Budget(NamedTuple):
+class NodeBudget(NamedTuple):
     """One of a request's budgets, as :class:`AcrossNodes` asks it."""
 
     name: str
@@ -124,9 +124,9 @@ class AcrossNodes:
         :class:`CallsStopped` if Redis failed while the request waited for its turn."""
         # Another scope's quotas count only where it is a request's domain, as in one call.
         budgets = [
-            Budget(domain, limit, busy_until, alone=False),
+            NodeBudget(domain, limit, busy_until, alone=False),
             *(
-                Budget(name, dataclasses.replace(each, quotas=()), busy, alone=True)
+                NodeBudget(name, dataclasses.replace(each, quotas=()), busy, alone=True)
                 for name, each, busy in others
             ),
         ]
@@ -146,7 +146,7 @@ class AcrossNodes:
 
     async def _decide(
         self,
-        budgets: list[Budget],
+        budgets: list[NodeBudget],
         cost: float,
         reserve: float,
         taken: list[tuple[str, AcquireResult]],
@@ -191,7 +191,7 @@ class AcrossNodes:
         return _refused(results[0], max(_moment(result) for result in results))
 
     async def _at(
-        self, budget: Budget, cost: float, moment: float, last: AcquireResult
+        self, budget: NodeBudget, cost: float, moment: float, last: AcquireResult
     ) -> AcquireResult:
         """*budget*'s tokens taken at *moment* (loop time), or nothing: its reply. *last*: its
         last reply, whose offset converts the moment to its node's clock."""
@@ -199,7 +199,7 @@ class AcrossNodes:
         return await self._call(budget, cost, 0.0, not_before)
 
     async def _call(
-        self, budget: Budget, cost: float, reserve: float, not_before: int
+        self, budget: NodeBudget, cost: float, reserve: float, not_before: int
     ) -> AcquireResult:
         return await self._acquire_one(
             budget.name, budget.limit, cost, reserve, budget.busy_until, not_before, budget.alone

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from redis.exceptions import RedisError
     from scrapy.statscollectors import StatsCollector
 
+    from .budgets import Budget
     from .clock import Clock
     from .config import ThrottleConfig
     from .rates import Limit
@@ -79,7 +80,7 @@ class Fallback:
         self._handover = LocalBuckets(clock.monotonic)
 
     def decide(
-        self, domain: str, limit: Limit, cost: float, others: Sequence[tuple[str, Limit]]
+        self, domain: str, limit: Limit, cost: float, others: Sequence[Budget]
     ) -> Grant | None:
         """The decision for a request while Redis fails (None: it waits for Redis)."""
         policy = self._config.on_redis_error
@@ -91,7 +92,7 @@ class Fallback:
         return None
 
     def paced_alone(
-        self, domain: str, limit: Limit, cost: float, others: Sequence[tuple[str, Limit]]
+        self, domain: str, limit: Limit, cost: float, others: Sequence[Budget]
     ) -> Grant:
         """A decision of this worker alone: its share of *domain*'s rate (and of its other
         scopes')."""
@@ -110,7 +111,7 @@ class Fallback:
         return Grant(later(self._config.probe_interval), shared=False)
 
     def handover_wait(
-        self, domain: str, limit: Limit, cost: float, others: Sequence[tuple[str, Limit]]
+        self, domain: str, limit: Limit, cost: float, others: Sequence[Budget]
     ) -> float:
         """Right after an outage, how long a request must wait for this worker's share (0: it
         may ask Redis now, and its share is taken). Redis is back for this worker, but another

@@ -10,6 +10,7 @@ from .bucket import AcquireResult
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Mapping, Sequence
 
+    from .budgets import Budget
     from .rates import Limit
 
 # Local buckets that are full again are forgotten once there are this many (or twice as many as
@@ -50,7 +51,7 @@ class LocalBuckets:
         self,
         domain: str,
         shared: AcquireResult,
-        others: Sequence[tuple[str, Limit]] = (),
+        others: Sequence[Budget] = (),
         cost: float = 1,
     ) -> None:
         """Record *shared*, Redis's decision for *domain* (and for its *others* scopes, whose
@@ -117,7 +118,7 @@ class LocalBuckets:
         cost: float,
         reserve: float,
         workers: int,
-        others: Sequence[tuple[str, Limit]] = (),
+        others: Sequence[Budget] = (),
     ) -> AcquireResult:
         """Take *cost* tokens of *domain*'s share of *limit* in a fleet of *workers*, and of
         the shares of the request's *others* scopes (see :meth:`.TokenBucket.acquire`): at

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from scrapy.statscollectors import StatsCollector
 
     from .bucket import Penalty, Reservation, SlowDown, Unreserved, Voiding
+    from .budgets import Budget
     from .clock import Clock
     from .config import ThrottleConfig
     from .connection import ThrottleRedis
@@ -129,7 +130,7 @@ class ResilientBucket:
         domain: str,
         limit: Limit,
         cost: float,
-        others: Sequence[tuple[str, Limit]] = (),
+        others: Sequence[Budget] = (),
     ) -> Grant:
         """The decision for a request of *domain* (and of its *others* scopes, see
         :meth:`.TokenBucket.acquire`): Redis's, or the fallback policy's."""
@@ -156,7 +157,7 @@ class ResilientBucket:
         domain: str,
         limit: Limit,
         cost: float,
-        others: Sequence[tuple[str, Limit]],
+        others: Sequence[Budget],
     ) -> AcquireResult | None:
         openings = self._openings
         local = self.fallback.local

@@ -24,6 +24,7 @@ from support import WORKER_USER, add_worker_user, async_test, redis_now_us, wait
 
 from scrapy_redis_throttle.across_nodes import PEEK, AcrossNodes
 from scrapy_redis_throttle.bucket import AcquireResult, TokenBucket
+from scrapy_redis_throttle.budgets import Budget
 from scrapy_redis_throttle.clock import Clock
 from scrapy_redis_throttle.config import ThrottleConfig
 from scrapy_redis_throttle.connection import close, connect
@@ -322,7 +323,7 @@ async def test_the_breaker_s_probe_asks_every_budget_s_primary(redis_cluster: Lo
         with proxy_primary.client() as admin:
             admin.execute_command("ACL", "SETUSER", WORKER_USER, "-evalsha", "-eval")
         refused = refused_calls(proxy_primary)
-        grant = await budget.acquire(site, limit, 1, [(proxy, limit)])
+        grant = await budget.acquire(site, limit, 1, [Budget(proxy, limit)])
         assert not grant.shared, "paced by this worker alone"
         await wait_until_async(
             lambda: refused_calls(proxy_primary) >= refused + 3, "two probes at the proxy's"
@@ -400,7 +401,7 @@ async def test_requests_waiting_for_a_node_that_stalls_do_not_call_it_again(
         with proxy_primary.client() as admin:
             admin.execute_command("CLIENT", "PAUSE", pause_ms, "ALL")
         grants = await asyncio.gather(
-            *(budget.acquire(f"{n}.{site}", limit, 1, [(proxy, limit)]) for n in range(10))
+            *(budget.acquire(f"{n}.{site}", limit, 1, [Budget(proxy, limit)]) for n in range(10))
         )
     finally:
         await budget.aclose()

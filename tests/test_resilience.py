@@ -16,6 +16,7 @@ from scrapy.utils.test import get_crawler
 from support import async_test, wait_until_async
 
 from scrapy_redis_throttle.activity import REPORTS_KEPT, Activity
+from scrapy_redis_throttle.budgets import Budget
 from scrapy_redis_throttle.clock import Clock
 from scrapy_redis_throttle.config import DEFAULT_KEY_PREFIX, ThrottleConfig
 from scrapy_redis_throttle.connection import connect_url
@@ -109,7 +110,7 @@ async def test_what_redis_knows_better_is_not_told_back(own_redis: RedisServer) 
     async with own_budget(own_redis) as budget:
         moments = []
         for _ in range(30):
-            grant = await budget.acquire(domain, fast, 1, others=[(proxy, configured)])
+            grant = await budget.acquire(domain, fast, 1, others=[Budget(proxy, configured)])
             assert grant.result.moment_us is not None, grant
             moments.append(grant.result.moment_us)
     assert moments[-1] - moments[0] < 100_000, "29 steps of 1 ms (and the calls' own time)"

@@ -39,6 +39,7 @@ from support import (
 
 from scrapy_redis_throttle import ThrottleConfig, ThrottleConfigError
 from scrapy_redis_throttle.bucket import TokenBucket
+from scrapy_redis_throttle.budgets import Budget
 from scrapy_redis_throttle.control import LiveControl
 from scrapy_redis_throttle.local_buckets import LocalBuckets
 from scrapy_redis_throttle.rates import Limit
@@ -364,7 +365,7 @@ def test_local_pacing_takes_every_scope_s_share_at_the_latest_moment() -> None:
     now = [100.0]
     local = LocalBuckets(lambda: now[0])
     site, host = Limit(rate=4, burst=1, text="4/s"), Limit(rate=1, burst=1, text="1/s")
-    others = [(HOST, host)]
+    others = [Budget(HOST, host)]
     assert local.acquire(SITE, site, 1, reserve=10, workers=2, others=others).allowed
     second = local.acquire(SITE, site, 1, reserve=10, workers=2, others=others)
     assert second.reserved

@@ -274,7 +274,7 @@ class FlakyScripts:
     ) -> AcquireResult:
         self.calls.append((domain, busy_until))
         self._answer()
-        budgets = [(name, each) for name, each, _ in others]
+        budgets = [Budget(name, each) for name, each, _ in others]
         return self.bucket.acquire(domain, limit, cost, reserve, 1, budgets)
 
     async def probe(self, domain: str | None = None) -> None:
