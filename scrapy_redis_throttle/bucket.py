@@ -167,9 +167,8 @@ def _other_args(limit: Limit) -> tuple[bytes, bytes]:
 
 
 def _moment_us(clock: ServerClock, moment: float) -> int:
-    """*moment* (loop time; 0: none) by *clock*, as the script takes it (0: none, or the clock is
-    unknown: the next call tells it). To the nearest µs, so that a moment of a reply comes back
-    as Redis gave it (rounded up, each telling would push the bucket 1 µs later)."""
+    """*moment* (loop time; 0: none) by *clock* (see :meth:`.ServerClock.moment_us`), in whole
+    µs as the script takes it (0: none, or the clock is unknown: the next call tells it)."""
     if moment <= 0:
         return 0
     moment_us = clock.moment_us(moment)

@@ -74,12 +74,14 @@ class ServerClock:
         return server_us / 1e6 + self._bounds()[0]
 
     def moment_us(self, moment: float) -> float | None:
-        """A *moment* (loop time) by Redis's clock (µs since the scripts' epoch), as
-        :meth:`loop_time` places Redis's: its inverse, so that a moment of a reply comes back as
-        Redis gave it (None: unknown, or its bounds are over two generations old)."""
+        """A *moment* (loop time) by Redis's clock (µs since the scripts' epoch), as late as the
+        bounds allow (None: unknown, or its bounds are over two generations old): a moment a
+        worker tells Redis, such as the end of the tokens it took alone, is never earlier there
+        than it is here, so that Redis gives no moment before it. A moment of a reply told back
+        comes back later by the bounds' width (about a round trip, once they are narrow)."""
         if not self._known_at(asyncio.get_running_loop().time()):
             return None
-        return (moment - self._bounds()[0]) * 1e6
+        return (moment - self._bounds()[1]) * 1e6
 
     def placed(self, moment: float, moment_us: float | None) -> float:
         """A *moment* (loop time) placed by earlier bounds, as the recent bounds place it

@@ -90,20 +90,21 @@ async def test_a_moment_placed_late_is_placed_again_by_later_bounds() -> None:
 
 
 @async_test
-async def test_a_moment_of_a_reply_goes_back_to_redis_as_redis_gave_it() -> None:
-    """moment_us is loop_time's inverse: a worker that tells Redis back a moment it replied
-    (busy_until) tells it that very moment, however late the reply was read; a moment of its
-    own (tokens taken locally) by the same bounds, the earliest they allow (a round trip at
-    most, once bounds are narrow; 0.19 s here, a reply read that late). Unknown without
-    bounds."""
+async def test_a_moment_told_to_redis_is_never_earlier_there_than_here() -> None:
+    """moment_us places a moment (a worker's own, such as the end of its local tokens) as late
+    as the bounds allow, so that Redis gives no moment before it: exactly, where a reply's sent
+    time is Redis's. A moment of a reply told back comes back later by the bounds' width (0.19
+    s here, a reply read that late; a round trip once bounds are narrow), never earlier.
+    Unknown without bounds."""
     now = asyncio.get_running_loop().time()
     clock = ServerClock()
     assert clock.moment_us(now) is None
     decided = clock.decided_at(now - 0.2, now - 0.01, server_us(now - 0.2))
+    assert clock.moment_us(now + 5) == pytest.approx(server_us(now + 5), abs=1e-3)
     given_us = server_us(now - 0.2) + 300_000
-    assert clock.moment_us(decided + 0.3) == pytest.approx(given_us, abs=1e-3)
-    assert clock.moment_us(clock.loop_time(given_us) or 0) == pytest.approx(given_us, abs=1e-3)
-    assert clock.moment_us(now + 5) == pytest.approx(server_us(now + 5) - 190_000, abs=1e-3)
+    assert clock.moment_us(decided + 0.3) == pytest.approx(given_us + 190_000, abs=1e-3)
+    told_back = clock.moment_us(clock.loop_time(given_us) or 0)
+    assert told_back == pytest.approx(given_us + 190_000, abs=1e-3)
 
 
 def test_a_redis_cluster_is_not_asked_for_clocks_it_has_not_told_of() -> None:
