@@ -70,10 +70,10 @@ BUSY_RETRY = 0.05
 
 
 class ParkingArea:
-    """Parked requests of one crawl, attached to its scheduler (see :func:`attach`): requests
-    with a ticket to park go to *store*, those due come back to the engine ahead of the
-    scheduler's own; the spider stays open while any are parked. At the close, what is parked
-    is kept when *keep* (else dropped and counted)."""
+    """Parked requests of one crawl, attached to its scheduler (see
+    :func:`.engine_hooks.attach`): requests with a ticket to park go to *store*, those due
+    come back to the engine ahead of the scheduler's own; the spider stays open while any are
+    parked. At the close, what is parked is kept when *keep* (else dropped and counted)."""
 
     def __init__(
         self,
