@@ -1,18 +1,23 @@
-"""The circuit breaker and the local fallback buckets, on a clock the tests move."""
+"""What the shared bucket does around failures of a real Redis: calls held or refused, what is
+told to Redis after an outage, the handover, the fleet's size, a Redis restarted empty. The
+decisions themselves are driven on a fake clock in tests/unit/test_fallback.py."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import itertools
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from local_redis import RedisServer
+from scrapy import Request
 from scrapy.settings import Settings
 from scrapy.statscollectors import MemoryStatsCollector
 from scrapy.utils.test import get_crawler
+from spiders import UrlListSpider
 from support import async_test, wait_until_async
 
 from scrapy_redis_throttle.activity import REPORTS_KEPT, Activity
@@ -22,8 +27,11 @@ from scrapy_redis_throttle.config import DEFAULT_KEY_PREFIX, ThrottleConfig
 from scrapy_redis_throttle.connection import connect_url
 from scrapy_redis_throttle.control import LiveControl
 from scrapy_redis_throttle.rates import Limit
+from scrapy_redis_throttle.redis_parking import RedisParking
 from scrapy_redis_throttle.redis_schema import fleet_key
+from scrapy_redis_throttle.rejections import Rejections
 from scrapy_redis_throttle.resilience import ResilientBucket
+from scrapy_redis_throttle.tickets import Ticket
 
 
 @contextlib.asynccontextmanager
@@ -208,3 +216,69 @@ async def test_the_fleets_size_outlives_a_redis_that_lost_it(own_redis: RedisSer
     await first._count_in()
     assert first.fleet_size == 1
     await client.aclose()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="#36: a moment reserved before Redis restarted empty can be handed out twice",
+)
+@async_test
+async def test_a_parked_moment_reserved_before_redis_restarted_empty_is_not_given_again(
+    own_redis: RedisServer, redis_server: RedisServer
+) -> None:
+    """Issue #36, step by step. A worker reserves 6 moments of a 1/s domain (0 to 5 s ahead)
+    and parks the last request in scrapy-redis's Redis; the throttle's Redis restarts empty.
+    That worker makes no call for the domain since, so nothing tells the new bucket of the
+    moment its parked request holds. Another worker (it knew the fleet's secret before the
+    restart, and waits out the outage: "wait") takes 6 moments of the empty bucket, then
+    unparks the request: its ticket, sealed with that secret, still counts, and it would go at
+    a moment the bucket gave again. No two requests of the domain may be under 1 s apart."""
+    domain, limit = "a.example", Limit(1, 1, "1/s")
+    spider = UrlListSpider()
+    stats = MemoryStatsCollector(get_crawler())
+    async with (
+        own_budget(own_redis) as parker,
+        own_budget(own_redis, REDIS_THROTTLE_ON_REDIS_ERROR="wait") as other,
+    ):
+        grants = [await parker.acquire(domain, limit, 1) for _ in range(6)]
+        held = grants[-1].result
+        assert held.reserved
+        assert held.moment_us is not None
+        now, wall = asyncio.get_running_loop().time(), time.time()
+        ticket = Ticket(
+            domain,
+            now + held.retry_after,
+            True,
+            False,
+            wall,
+            wall,
+            moment_us=held.moment_us,
+            reservation=held.reservation,
+        )
+        stores = [
+            RedisParking(
+                connect_url(redis_server.url, {}, 1),
+                "restart:parked",
+                spider,
+                Rejections(stats, dict),
+                Clock(),
+                seals=bucket.seals,
+            )
+            for bucket in (parker, other)
+        ]
+        try:
+            await stores[0].park(Request(f"http://{domain}/parked"), ticket)
+            own_redis.restart()
+            moments = []
+            for _ in range(6):
+                result = (await other.acquire(domain, limit, 1)).result
+                assert result.allowed or result.reserved, result
+                assert result.moment_us is not None
+                moments.append(result.moment_us)
+            [(_, back)] = (await stores[1].unpark(ahead=10, limit=10))[0]
+        finally:
+            for store in stores:
+                await store.close(keep=False)
+    going = sorted([*moments, *([held.moment_us] if back.reserved else [])])
+    gaps = [later - earlier for earlier, later in itertools.pairwise(going)]
+    assert min(gaps) >= 1e6, f"moments {min(gaps) / 1e6:.3f} s apart (limit 1/s)"
