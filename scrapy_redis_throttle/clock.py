@@ -15,14 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
-from scrapy.utils.defer import maybe_deferred_to_future
 from scrapy.utils.reactor import is_reactor_installed
 from twisted.internet.task import deferLater
-
-if TYPE_CHECKING:
-    from collections.abc import Awaitable
 
 
 class Clock:
@@ -39,26 +35,36 @@ class Clock:
         """The running event loop's time (seconds, monotonic)."""
         return asyncio.get_running_loop().time()
 
-    async def sleep(self, seconds: float) -> None:
-        """Wait *seconds* (none when not positive)."""
+    def sleep(self, seconds: float) -> asyncio.Future[None]:
+        """A future done in *seconds* (at once when not positive), to await; cancelling it
+        cancels its timer."""
         seconds = max(seconds, 0.0)
         if not is_reactor_installed():
-            await asyncio.sleep(seconds)
-            return
+            loop = asyncio.get_running_loop()
+            done: asyncio.Future[None] = loop.create_future()
+            timer = loop.call_later(seconds, _set_done, done)
+            done.add_done_callback(lambda _: timer.cancel())
+            return done
         # Imported here: importing it at module level would install the default reactor before
         # Scrapy installs the one of TWISTED_REACTOR.
         from twisted.internet import reactor
 
-        await maybe_deferred_to_future(deferLater(reactor, seconds, lambda: None))
+        return deferLater(reactor, seconds, lambda: None).asFuture(asyncio.get_running_loop())
 
 
-async def sleep_or_wake(clock: Clock, seconds: float, wake: Awaitable[object]) -> None:
-    """Wait *seconds* by *clock*, or until *wake* is done, whichever comes first (a
-    cancellation ends both)."""
-    sleep = asyncio.ensure_future(clock.sleep(seconds))
-    woken = asyncio.ensure_future(wake)
+def _set_done(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+async def sleep_or_wake(clock: Clock, seconds: float, wake: asyncio.Event) -> None:
+    """Wait *seconds* by *clock*, or until *wake* is set, whichever comes first (a cancellation
+    ends both)."""
+    sleep = clock.sleep(seconds)
+    woken: asyncio.Future[bool] = asyncio.ensure_future(wake.wait())
+    waits: list[asyncio.Future[Any]] = [sleep, woken]
     try:
-        await asyncio.wait([sleep, woken], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         if sleep.done():
             sleep.result()  # a sleep that failed fails its caller
     finally:

@@ -191,7 +191,7 @@ class ParkingArea:
             await self._release_voided()
             timeout = await self._release_due()
             self._next_look = self._clock.monotonic() + timeout
-            await sleep_or_wake(self._clock, timeout, self._wake_up.wait())
+            await sleep_or_wake(self._clock, timeout, self._wake_up)
 
     async def _release_voided(self) -> None:
         # Those heard so far: the ones heard meanwhile wait for the next pass, after the due

@@ -28,7 +28,6 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .clock import sleep_or_wake
 from .config import STATS_PREFIX
 from .connection import pubsub
 from .tasks import cancel_and_wait
@@ -136,9 +135,10 @@ class Pauses:
         # domain -> (wall time it was heard of, loop time it ends) of each pause under way: a
         # reservation made before one of them, for a moment within it, is void.
         self._pauses: dict[str, list[tuple[float, float]]] = {}
-        # domain -> the waits of requests whose moment is reserved: what wakes each one early,
-        # and the monotonic time it ends at.
+        # domain -> the sleeps of requests whose moment is reserved, and the monotonic time
+        # each one ends at; those a pause cancelled, to wake them early.
         self._sleepers: dict[str, dict[asyncio.Future[None], float]] = {}
+        self._woken: set[asyncio.Future[None]] = set()
         self._listener: asyncio.Task[None] | None = None
         self._failing = False
         # Wall time since when this worker hears every message (None: it does not now).
@@ -180,9 +180,10 @@ class Pauses:
         for each in list(islice(self._pauses, SWEEP_STEP)):
             self._under_way(each)  # forgotten if ended, else to the back of the line
         self._forget(domain)
-        for wake, wake_at in self._sleepers.get(domain, {}).items():
-            if wake_at <= until and not wake.done():
-                wake.set_result(None)
+        for sleep, wake_at in self._sleepers.get(domain, {}).items():
+            if wake_at <= until and not sleep.done():
+                self._woken.add(sleep)
+                sleep.cancel()
         self._release_parked(domain, heard, until)
 
     def knows_voidings(self, domain: str, reserved_at: float, elsewhere: bool) -> bool:
@@ -238,13 +239,17 @@ class Pauses:
     async def sleep(self, domain: str, seconds: float) -> None:
         """Wait *seconds* (the clock's sleep) for a moment reserved for *domain*; a pause of
         *domain* that covers the moment ends the wait early."""
-        wake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        sleep = self._clock.sleep(seconds)
         sleepers = self._sleepers.setdefault(domain, {})
-        sleepers[wake] = self._clock.monotonic() + seconds
+        sleepers[sleep] = self._clock.monotonic() + seconds
         try:
-            await sleep_or_wake(self._clock, seconds, wake)
+            await sleep
+        except asyncio.CancelledError:
+            if sleep not in self._woken:
+                raise  # the waiting request itself is cancelled
         finally:
-            del sleepers[wake]
+            self._woken.discard(sleep)
+            del sleepers[sleep]
             if not sleepers:
                 del self._sleepers[domain]
 

@@ -272,8 +272,11 @@ async def test_the_pauses_listener_backs_off_while_a_bug_fails_it_at_once(
     waits: list[float] = []
 
     class RecordingClock(Clock):
-        async def sleep(self, seconds: float) -> None:
+        def sleep(self, seconds: float) -> asyncio.Future[None]:
             waits.append(seconds)
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
 
     def bug(data: bytes) -> None:
         raise RuntimeError("a bug outside one message")

@@ -66,10 +66,10 @@ class FakeClock(Clock):
     def monotonic(self) -> float:
         return self.now
 
-    async def sleep(self, seconds: float) -> None:
+    def sleep(self, seconds: float) -> asyncio.Future[None]:
         wake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._timers, (self.now + max(seconds, 0.0), next(self._order), wake))
-        await wake
+        return wake
 
     @property
     def sleeping(self) -> list[float]:
