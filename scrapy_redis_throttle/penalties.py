@@ -76,6 +76,13 @@ READS_KEPT = 10_000
 SAME_PAUSE = 0.05
 
 
+def _cancelling() -> bool:
+    """Whether the running task is asked to cancel (Python 3.11+ tells; 3.10 does not)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return bool(cancelling and cancelling())
+
+
 def parse_retry_after(value: bytes | None, date: bytes | None) -> float | None:
     """Seconds from a ``Retry-After`` header: delta-seconds, or an HTTP-date taken relative to
     the response's ``Date`` (so that the site's clock, not ours, counts). None when missing; 0
@@ -245,7 +252,7 @@ class Pauses:
         try:
             await sleep
         except asyncio.CancelledError:
-            if sleep not in self._woken:
+            if sleep not in self._woken or _cancelling():
                 raise  # the waiting request itself is cancelled
         finally:
             self._woken.discard(sleep)

@@ -283,3 +283,17 @@ def test_retry_after_is_seconds_or_a_date_by_the_sites_clock(
 def test_a_retry_after_of_another_form_is_refused_saying_why(value: bytes) -> None:
     with pytest.raises(ValueError, match="neither seconds nor an HTTP-date"):
         parse_retry_after(value, None)
+
+
+@async_test
+async def test_a_wait_cancelled_as_a_pause_wakes_it_stays_cancelled() -> None:
+    """A pause wakes a held request by cancelling its sleep: a cancellation of the request
+    itself in the same turn is not taken for that wake-up."""
+    pauses, clock = (throttle := Throttle()).pauses, throttle.clock
+    wait = asyncio.ensure_future(pauses.sleep(A, 5.0))
+    await clock.advance(0)
+    pauses.pause(A, 10.0)
+    wait.cancel()
+    await clock.advance(0)
+    assert wait.cancelled()
+    assert clock.sleeping == []
