@@ -2,9 +2,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from scrapy.utils.misc import load_object
+
 from .config import DEFAULT_SCHEDULER
 from .middleware import RedisThrottleMiddleware
-from .parking_scheduler import ParkingScheduler
+from .parking_scheduler import ParkingScheduler, composes_parking
 
 if TYPE_CHECKING:
     from scrapy.settings import BaseSettings
@@ -32,12 +34,8 @@ class Addon:
             "DOWNLOADER_MIDDLEWARES", RedisThrottleMiddleware, MIDDLEWARE_PRIORITY
         )
         scheduler = settings.get("SCHEDULER") or DEFAULT_SCHEDULER
-        if scheduler in (
-            ParkingScheduler,
-            PARKING_SCHEDULER,
-            "scrapy_redis_throttle.ParkingScheduler",
-        ):
-            return
+        if composes_parking(load_object(scheduler) if isinstance(scheduler, str) else scheduler):
+            return  # the project composes it itself
         priority = settings.getpriority("SCHEDULER") or 0
         settings.set("REDIS_THROTTLE_SCHEDULER", scheduler, priority=priority)
         settings.set("SCHEDULER", PARKING_SCHEDULER, priority=priority)

@@ -144,6 +144,19 @@ def test_the_addon_composes_scrapys_scheduler_by_default() -> None:
     assert settings["REDIS_THROTTLE_SCHEDULER"] == "scrapy.core.scheduler.Scheduler"
 
 
+class ProjectParkingScheduler(ParkingScheduler):
+    """A project's own subclass."""
+
+
+def test_the_addon_leaves_a_projects_own_parking_scheduler_alone() -> None:
+    path = f"{__name__}.ProjectParkingScheduler"
+    settings = with_addon(
+        SCHEDULER=path, REDIS_THROTTLE_SCHEDULER="scrapy_redis.scheduler.Scheduler"
+    )
+    assert settings["SCHEDULER"] == path
+    assert settings["REDIS_THROTTLE_SCHEDULER"] == "scrapy_redis.scheduler.Scheduler"
+
+
 def test_the_addon_leaves_a_parking_scheduler_the_project_names_alone() -> None:
     settings = with_addon(
         SCHEDULER=ParkingScheduler, REDIS_THROTTLE_SCHEDULER="scrapy_redis.scheduler.Scheduler"
