@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import secrets
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from redis.exceptions import ResponseError
+
 from .across_nodes import AcrossNodes
-from .connection import ClusterClient
+from .connection import ClusterClient, drop_idle_connections
 from .rates import Limit, Quota
 from .redis_schema import (
     LOG_SUFFIX,
@@ -85,6 +88,10 @@ class AcquireResult:
         """When it was decided, by the loop's clock at *now*."""
         return now if self.decided_at is None else self.decided_at
 
+
+# The fleet's secret: random bytes, kept in Redis as hex digits.
+SECRET_BYTES = 32
+_SECRET = re.compile(rb"[0-9a-f]{%d}" % (2 * SECRET_BYTES))
 
 # Reservations given back in one call: lua/unreserve.lua's MAX_RESERVATIONS.
 UNRESERVE_BATCH = 1000
@@ -399,15 +406,31 @@ class TokenBucket:
             taken, set_aside = taken + int(reply[0]), set_aside + int(reply[1])
         return Unreserved(taken, set_aside)
 
-    async def load_secret(self) -> bytes:
-        """The fleet's secret (made by the first worker, kept in Redis): it seals the tickets of
-        the requests this worker parks (see :mod:`.seals`)."""
+    async def load_secret(self) -> tuple[bytes, bool]:
+        """The fleet's secret (made by the first worker that finds none, kept in Redis): it seals
+        the tickets of the requests this worker parks, and tells whether Redis lost the
+        throttle's state (see :mod:`.seals`). One round trip. Also whether the key held
+        something else, which a worker did not make (written by hand, or of another type): it is
+        replaced, as if Redis had lost it."""
         key = secret_key(self._key_prefix)
-        await self._redis.set(key, secrets.token_hex(32), nx=True)
-        secret = await self._redis.get(key)
-        if not isinstance(secret, bytes) or len(secret) < 32:
-            raise ValueError("the fleet's secret in Redis is not one a worker made")
-        return secret
+        made = secrets.token_hex(SECRET_BYTES).encode()
+        # Its failure must say that Redis does not answer now: a connection kept across a
+        # restart of Redis fails its next command, which redis-py's pool does not foresee.
+        await drop_idle_connections(self._redis)
+        try:
+            found = await self._redis.set(key, made, nx=True, get=True)
+        except ResponseError as exc:
+            if not str(exc).startswith("WRONGTYPE"):
+                raise
+            found = b""
+        if found is None:
+            return made, False
+        if isinstance(found, bytes) and _SECRET.fullmatch(found):
+            return found, False
+        # Another worker may replace it at the same time: the last one's stands, and the others
+        # find it new at their next read (once).
+        await self._redis.set(key, made)
+        return made, True
 
     async def aclose(self) -> None:
         scripts = (

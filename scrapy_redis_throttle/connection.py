@@ -187,6 +187,13 @@ async def ping(client: ThrottleRedis) -> None:
         await client.ping()
 
 
+async def drop_idle_connections(client: ThrottleRedis) -> None:
+    """Disconnect the connections of *client*'s pool that are not in use, so that its next
+    command goes on a new one (not on a cluster, whose nodes' connections are not told apart)."""
+    if not isinstance(client, RedisCluster):
+        await client.connection_pool.disconnect(inuse_connections=False)
+
+
 async def close(client: ThrottleRedis) -> None:
     if isinstance(client, RedisCluster):
         nodes = client.get_nodes()

@@ -161,6 +161,13 @@ class Fallback:
             extra=self._log_extra(),
         )
 
+    def redis_lost(self) -> None:
+        """Redis lost the throttle's state (restarted empty): what this worker saw reserved
+        there is void (its requests ask anew), in its pace alone and in the handover's; what it
+        took alone still holds."""
+        self.local.lost()
+        self._handover.lost()
+
     def count_outage(self, seconds: float) -> None:
         """Add *seconds* of an outage to ``redis_throttle/fallback_time``."""
         key = f"{STATS_PREFIX}/fallback_time"

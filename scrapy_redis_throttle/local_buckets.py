@@ -41,6 +41,9 @@ class LocalBuckets:
         # The domains this process took tokens of locally and has not told Redis of since, by
         # the number of their last local take (a take after a call was sent is told by the next).
         self._untold: dict[str, int] = {}
+        # Until when (clock time) the tokens this process took of each domain locally keep its
+        # bucket busy: their requests go, whatever Redis lost.
+        self._taken_until: dict[str, float] = {}
         self._takes = 0
         self._prune_size = LOCAL_PRUNE_SIZE
 
@@ -71,6 +74,7 @@ class LocalBuckets:
         """A copy of these buckets as they are now, which goes its own way from here."""
         copy = LocalBuckets(self._clock)
         copy._full_at = dict(self._full_at)
+        copy._taken_until = dict(self._taken_until)
         return copy
 
     def forget(self, domain: str) -> None:
@@ -78,6 +82,7 @@ class LocalBuckets:
         what this process saw of it must not be sent back as :meth:`busy_until`."""
         self._full_at.pop(domain, None)
         self._untold.pop(domain, None)
+        self._taken_until.pop(domain, None)
 
     def busy_until(self, domain: str) -> float:
         """Until when (clock time) the tokens this process took of *domain* locally, or saw
@@ -97,6 +102,19 @@ class LocalBuckets:
             if full_at > now:
                 self._takes += 1
                 self._untold[domain] = self._takes
+
+    def lost(self) -> None:
+        """Redis lost what it held (restarted empty): the moments seen reserved there are void
+        (their requests ask anew), and are not told to the new buckets, which would then stand
+        idle until they end. The tokens taken locally still hold (their requests go): they are
+        told again, even those told before, to the Redis that lost them."""
+        now = self._clock()
+        self._full_at = {domain: at for domain, at in self._taken_until.items() if at > now}
+        self._taken_until = dict(self._full_at)
+        self._untold = {}
+        for domain in self._full_at:
+            self._takes += 1
+            self._untold[domain] = self._takes
 
     def untold(self, domains: Iterable[str]) -> dict[str, int]:
         """Which of *domains* have a :meth:`busy_until` to tell Redis of, as :meth:`told` takes
@@ -146,6 +164,7 @@ class LocalBuckets:
             self._full_at[name] = max(each_full_at, now + wait) + cost * each_interval
             self._takes += 1
             self._untold[name] = self._takes
+            self._taken_until[name] = self._full_at[name]
         self._prune(now)
         new_full_at = self._full_at[domain]
         return AcquireResult(
@@ -162,5 +181,8 @@ class LocalBuckets:
         self._full_at = {domain: at for domain, at in self._full_at.items() if at > now}
         self._untold = {
             domain: take for domain, take in self._untold.items() if domain in self._full_at
+        }
+        self._taken_until = {
+            domain: at for domain, at in self._taken_until.items() if domain in self._full_at
         }
         self._prune_size = max(LOCAL_PRUNE_SIZE, 2 * len(self._full_at))

@@ -101,6 +101,7 @@ class RedisThrottleMiddleware:
             # No pause is longer, nor any moment further ahead.
             longest=max(self.config.backoff.longest, self.config.max_reserve),
             clock=self.clock,
+            check_state=self.bucket.check_state,
         )
         self.turns = Turns(
             self.config,

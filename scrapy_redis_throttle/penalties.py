@@ -33,7 +33,7 @@ from .connection import pubsub
 from .tasks import cancel_and_wait
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable
 
     from scrapy.statscollectors import StatsCollector
 
@@ -130,8 +130,10 @@ class Pauses:
         *,
         longest: float,
         clock: Clock,
+        check_state: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._redis = redis
+        self._check_state = check_state
         self._clock = clock
         self._longest = longest
         self._forget = forget
@@ -274,7 +276,13 @@ class Pauses:
                         if message["type"] == "subscribe":
                             # Every message published from now on reaches this worker: Redis
                             # confirms a subscription once it is in force.
-                            self._listening_since = subscribed_at = self._clock.wall()
+                            subscribed_at = self._clock.wall()
+                            if self._check_state is not None:
+                                # Whether Redis lost the throttle's state since the last
+                                # subscription (a restart dropped it): if so, the moments
+                                # reserved before are lost, and nothing here says it.
+                                await self._check_state()
+                            self._listening_since = subscribed_at
                             self._read_at.clear()  # read before: not valid any more
                             self._subscribed.set()
                             self._failing = False

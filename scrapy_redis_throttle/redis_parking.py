@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, cast
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from .config import STATS_PREFIX
 from .leases import LEASE_META
 from .parking_stores import Closed, Parked
 from .penalties import CLOCK_MARGIN
@@ -266,7 +267,10 @@ class RedisParking:
             return False
         if self._seals.check(message, wire[7]):
             return True
-        if wire[0] is True:
+        if wire[0] is True and self._seals.sealed_before(message, wire[7]):
+            # Sealed before Redis lost the throttle's state: its moment was lost with it.
+            self._rejections.stats.inc_value(f"{STATS_PREFIX}/lost_reservations")
+        elif wire[0] is True:
             self._rejections.reject(
                 "parked_ticket",
                 domain,

@@ -25,7 +25,8 @@ class Rejections:
     each kind per domain, as a WARNING that says what the throttle does instead."""
 
     def __init__(self, stats: StatsCollector, log_extra: Callable[[], dict[str, Any]]) -> None:
-        self._stats = stats
+        self.stats = stats
+        """Where they are counted (and what else the values' readers count)."""
         self._log_extra = log_extra
         self._logged: dict[str, set[str]] = {}
 
@@ -33,7 +34,7 @@ class Rejections:
         """Count a value of *kind* from *domain* refused for *reason*; *instead*: what the
         throttle does."""
         stat = f"{STATS_PREFIX}/rejected/{kind}"
-        self._stats.inc_value(stat)
+        self.stats.inc_value(stat)
         logged = self._logged.setdefault(kind, set())
         if domain in logged or len(logged) >= LOGGED_DOMAINS:
             return

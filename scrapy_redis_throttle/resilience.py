@@ -29,10 +29,11 @@ from redis.exceptions import RedisError, ResponseError
 
 from .across_nodes import CallsStopped
 from .breaker import CircuitBreaker
-from .bucket import AcquireResult, TokenBucket
+from .bucket import AcquireResult, TokenBucket, Unreserved
 from .config import FALLBACK_LOCAL, STATS_PREFIX
 from .connection import ping
 from .fallback import Fallback, Grant, later
+from .penalties import CLOCK_MARGIN
 from .rejections import Rejections
 from .seals import Seals
 from .tasks import cancel_and_wait
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 
     from scrapy.statscollectors import StatsCollector
 
-    from .bucket import Penalty, Reservation, SlowDown, Unreserved, Voiding
+    from .bucket import Penalty, Reservation, SlowDown, Voiding
     from .budgets import Budget
     from .clock import Clock
     from .config import ThrottleConfig
@@ -102,6 +103,9 @@ class ResilientBucket:
         # Cluster, the probe tries their primaries (another one may answer while one is down).
         self._failed_domains: tuple[str | None, ...] = (None,)
         self.seals = Seals()
+        # When this worker last read that Redis lost the throttle's state (wall and monotonic
+        # time; None: never).
+        self._lost_at: tuple[float, float] | None = None
 
     async def check(self) -> None:
         """PING Redis at start-up, so that an unavailable Redis is reported before the first
@@ -113,17 +117,56 @@ class ResilientBucket:
         except RedisError as exc:
             self._failed(exc)
             return
-        await self._load_secret()
+        await self._checked_state()
 
-    async def _load_secret(self) -> None:
-        """Learn the fleet's secret (see :mod:`.seals`): at start, else once Redis is back."""
+    async def check_state(self) -> None:
+        """Read the fleet's secret (see :mod:`.seals`), which Redis loses with the rest of the
+        throttle's state: a new one means that every moment reserved in Redis before now may
+        be given to another request, and is lost (see :meth:`lost`). RedisError when Redis
+        does not answer. The pauses' listener calls it each time it subscribes (a restart
+        drops its subscription), and a request whose moment was reserved before that calls it
+        before it goes (see :meth:`last_voiding`)."""
+        secret, replaced = await self._bucket.load_secret()
+        if replaced:
+            self._rejections.reject(
+                "secret",
+                "",
+                "the fleet's secret in Redis was not one a worker made",
+                "replaced it: the moments reserved before are taken as lost",
+            )
+        if self.seals.know(secret) or replaced:
+            self._state_lost()
+
+    async def _checked_state(self) -> None:
+        """:meth:`check_state`, at start and once Redis is back, where a failure is not fatal."""
         try:
-            self.seals.know(await self._bucket.load_secret())
-        except (RedisError, ValueError) as exc:
-            # Not fatal: meanwhile what this worker parks asks again when it comes back.
+            await self.check_state()
+        except RedisError as exc:
+            # Meanwhile what this worker parks asks anew when it comes back.
             self._rejections.reject(
                 "secret", "", str(exc)[:300], "parked requests keep no reservation"
             )
+
+    def _state_lost(self) -> None:
+        self._lost_at = (self._clock.wall(), self._clock.monotonic())
+        self._stats.inc_value(f"{STATS_PREFIX}/state_lost")
+        self.fallback.redis_lost()
+        logger.warning(
+            "Redis throttle: Redis at %s lost the throttle's state (restarted empty, or its keys "
+            "were deleted): the requests that waited for moments reserved there before ask for "
+            "new ones",
+            self._config.redis_location,
+            extra=self._log_extra(),
+        )
+
+    def lost(self, reserved_at: float, elsewhere: bool = False) -> bool:
+        """Whether a moment reserved in Redis at *reserved_at* (wall time; *elsewhere*: by
+        another process, whose clock may differ by up to CLOCK_MARGIN) was reserved before
+        Redis lost the throttle's state, as far as this worker has read (see
+        :meth:`check_state`). Its bucket may give it to another request: it must not be used."""
+        if self._lost_at is None:
+            return False
+        return reserved_at < self._lost_at[0] + (CLOCK_MARGIN if elsewhere else 0.0)
 
     async def acquire(
         self,
@@ -197,7 +240,16 @@ class ResilientBucket:
 
     async def last_voiding(self, domain: str) -> tuple[bool, Voiding | None]:
         """Whether Redis could tell, and the last voiding of *domain*'s reserved moments (see
-        :meth:`.TokenBucket.last_voiding`)."""
+        :meth:`.TokenBucket.last_voiding`), for a request whose moment was reserved before this
+        worker's subscription."""
+        # First whether Redis lost the throttle's state since (see :meth:`lost`): read now, even
+        # while the breaker is open, since a Redis back (restarted empty) before the next probe
+        # may already give the moment to another request. It goes on a new connection: only a
+        # failure of that one says Redis does not answer now.
+        try:
+            await self.check_state()
+        except RedisError:
+            return False, None
         if self.breaker.open_for() is not None:
             return False, None
         reply = await self._answered(domain, self._last_voiding(domain))
@@ -235,6 +287,14 @@ class ResilientBucket:
         when Redis could not be told (they expire with their moments)."""
         if self.breaker.open_for() is not None:
             return None
+        if self._lost_at is not None:
+            # Those reserved before Redis lost the throttle's state are not the new bucket's.
+            lost_us = self._bucket.server_clock(domain).moment_us(self._lost_at[1])
+            reservations = [
+                each for each in reservations if lost_us is not None and each.at > lost_us
+            ]
+            if not reservations:
+                return Unreserved(0, 0)
         return await self._answered(domain, self._bucket.unreserve(domain, reservations))
 
     async def _answered(self, domain: str, call: Awaitable[_T]) -> _T | None:
@@ -296,8 +356,9 @@ class ResilientBucket:
                 self._stats.inc_value(f"{STATS_PREFIX}/redis_errors/{type(exc).__name__}")
                 continue
             self._succeeded()
-        if not self.seals.known:  # Redis was down at start
-            await self._load_secret()
+        # Back: it may have restarted empty (the pauses' listener reads it too, at its next
+        # subscription).
+        await self._checked_state()
 
     async def aclose(self) -> None:
         """Stop probing, disconnect; count an outage still under way in the stats."""

@@ -61,6 +61,8 @@ class SharedBucket(Protocol):
 
     async def last_voiding(self, domain: str) -> tuple[bool, Voiding | None]: ...
 
+    def lost(self, reserved_at: float, elsewhere: bool = False) -> bool: ...
+
 
 class Turns:
     """Decides when each throttled request goes. Waits longer than ``max_hold`` are parked,
@@ -226,7 +228,8 @@ class Turns:
     ) -> bool:
         """Whether a request may go at the *moment* it reserved at *reserved_at* (see
         :meth:`.Pauses.is_void`; *elsewhere*: in another process, maybe): not if a pause, or a
-        change of the rate, voided it since; it must ask Redis again. For a moment reserved in
+        change of the rate, voided it since, or Redis lost it (see
+        :meth:`.ResilientBucket.lost`); it must ask Redis again. For a moment reserved in
         Redis (not *local*ly, while Redis failed), a pause published while this worker was not
         listening is read from Redis; if Redis cannot tell, the request goes by what this
         worker heard (under the ``"wait"`` policy, it asks again)."""
@@ -243,6 +246,10 @@ class Turns:
             # no more of the pauses published meanwhile.
         if self._pauses.is_void(domain, reserved_at, moment, elsewhere):
             self._stats.inc_value(f"{STATS_PREFIX}/paused_reservations")
+            return False
+        if not local and self._bucket.lost(reserved_at, elsewhere):
+            # Redis restarted empty since: its bucket may give the moment to another request.
+            self._stats.inc_value(f"{STATS_PREFIX}/lost_reservations")
             return False
         return True
 

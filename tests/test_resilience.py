@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import pytest
@@ -21,25 +21,33 @@ from spiders import UrlListSpider
 from support import async_test, wait_until_async
 
 from scrapy_redis_throttle.activity import REPORTS_KEPT, Activity
-from scrapy_redis_throttle.budgets import Budget
+from scrapy_redis_throttle.bucket import Unreserved, Voiding
+from scrapy_redis_throttle.budgets import Budget, RequestBudget
 from scrapy_redis_throttle.clock import Clock
 from scrapy_redis_throttle.config import DEFAULT_KEY_PREFIX, ThrottleConfig
 from scrapy_redis_throttle.connection import connect_url
 from scrapy_redis_throttle.control import LiveControl
+from scrapy_redis_throttle.fallback import Grant
+from scrapy_redis_throttle.penalties import Pauses
 from scrapy_redis_throttle.rates import Limit
 from scrapy_redis_throttle.redis_parking import RedisParking
-from scrapy_redis_throttle.redis_schema import fleet_key
+from scrapy_redis_throttle.redis_schema import fleet_key, penalty_channel
 from scrapy_redis_throttle.rejections import Rejections
 from scrapy_redis_throttle.resilience import ResilientBucket
+from scrapy_redis_throttle.server_clock import ServerClock
 from scrapy_redis_throttle.tickets import Ticket
+from scrapy_redis_throttle.waiting import WENT, Turns
 
 
 @contextlib.asynccontextmanager
-async def own_budget(server: RedisServer, **settings: Any) -> AsyncIterator[ResilientBucket]:
-    """A ResilientBucket on *server*, checked, with *settings*."""
+async def own_budget(
+    server: RedisServer, stats: MemoryStatsCollector | None = None, **settings: Any
+) -> AsyncIterator[ResilientBucket]:
+    """A ResilientBucket on *server*, checked, with *settings* (counting in *stats*)."""
     config = ThrottleConfig.from_settings(Settings({"REDIS_THROTTLE_URL": server.url, **settings}))
     client = connect_url(server.url, config.redis_params, 2)
-    budget = ResilientBucket(client, config, MemoryStatsCollector(get_crawler()), dict, Clock())
+    stats = stats or MemoryStatsCollector(get_crawler())
+    budget = ResilientBucket(client, config, stats, dict, Clock())
     try:
         await budget.check()
         yield budget
@@ -218,29 +226,56 @@ async def test_the_fleets_size_outlives_a_redis_that_lost_it(own_redis: RedisSer
     await client.aclose()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="#36: a moment reserved before Redis restarted empty can be handed out twice",
-)
+class RecordingBucket:
+    """A worker's shared bucket (see :class:`.waiting.SharedBucket`) that records the moment
+    (µs by Redis's clock) of every grant it gives."""
+
+    def __init__(self, bucket: ResilientBucket) -> None:
+        self.bucket = bucket
+        self.moments: list[float] = []
+
+    async def acquire(
+        self, domain: str, limit: Limit, cost: float, others: Sequence[Budget] = ()
+    ) -> Grant:
+        grant = await self.bucket.acquire(domain, limit, cost, others)
+        result = grant.result
+        assert grant.shared, grant
+        if result.allowed or result.reserved:
+            assert result.moment_us is not None
+            self.moments.append(result.moment_us)
+        return grant
+
+    def server_clock(self, domain: str) -> ServerClock:
+        return self.bucket.server_clock(domain)
+
+    async def last_voiding(self, domain: str) -> tuple[bool, Voiding | None]:
+        return await self.bucket.last_voiding(domain)
+
+    def lost(self, reserved_at: float, elsewhere: bool = False) -> bool:
+        return self.bucket.lost(reserved_at, elsewhere)
+
+
+@pytest.mark.parametrize("listening", [True, False], ids=["listening", "not-listening"])
 @async_test
 async def test_a_parked_moment_reserved_before_redis_restarted_empty_is_not_given_again(
-    own_redis: RedisServer, redis_server: RedisServer
+    own_redis: RedisServer, redis_server: RedisServer, listening: bool
 ) -> None:
-    """Issue #36, step by step. A worker reserves 6 moments of a 1/s domain (0 to 5 s ahead)
+    """Issue #36, step by step. A worker reserves 4 moments of a 1/s domain (0 to 3 s ahead)
     and parks the last request in scrapy-redis's Redis; the throttle's Redis restarts empty.
-    That worker makes no call for the domain since, so nothing tells the new bucket of the
-    moment its parked request holds. Another worker (it knew the fleet's secret before the
-    restart, and waits out the outage: "wait") takes 6 moments of the empty bucket, then
-    unparks the request: its ticket, sealed with that secret, still counts, and it would go at
-    a moment the bucket gave again. No two requests of the domain may be under 1 s apart."""
+    That worker makes no call since, so nothing tells the new bucket of the moment its parked
+    request holds. Another worker, which knew the fleet's secret before the restart, takes 4
+    moments of the new bucket, then unparks the request and gives it its turn. Its moment is
+    lost: the new Redis has a new secret, which the other worker reads when its pauses'
+    listener subscribes again (*listening*: the ticket's seal is then the old secret's), or
+    else before the request goes (it reads the domain's voidings, and the secret with them). No
+    two requests of the domain may be under 1 s apart by Redis's clock. (Before the secret
+    told, the parked request went at its moment: 0.034 s after another's.)"""
     domain, limit = "a.example", Limit(1, 1, "1/s")
     spider = UrlListSpider()
     stats = MemoryStatsCollector(get_crawler())
-    async with (
-        own_budget(own_redis) as parker,
-        own_budget(own_redis, REDIS_THROTTLE_ON_REDIS_ERROR="wait") as other,
-    ):
-        grants = [await parker.acquire(domain, limit, 1) for _ in range(6)]
+    config = ThrottleConfig.from_settings(Settings({"REDIS_THROTTLE_URL": own_redis.url}))
+    async with own_budget(own_redis) as parker, own_budget(own_redis, stats) as other:
+        grants = [await parker.acquire(domain, limit, 1) for _ in range(4)]
         held = grants[-1].result
         assert held.reserved
         assert held.moment_us is not None
@@ -255,6 +290,21 @@ async def test_a_parked_moment_reserved_before_redis_restarted_empty_is_not_give
             moment_us=held.moment_us,
             reservation=held.reservation,
         )
+        recording = RecordingBucket(other)
+        client = connect_url(own_redis.url, config.redis_params, 1)
+        pauses = Pauses(
+            client,
+            penalty_channel(config.key_prefix),
+            stats,
+            dict,
+            other.fallback.local.forget,
+            lambda *_: None,
+            longest=60,
+            clock=Clock(),
+            check_state=other.check_state,
+        )
+        activity = Activity(client, "ns", 0, stats, dict, Clock())
+        turns = Turns(config, recording, pauses, activity, stats, dict, Clock())
         stores = [
             RedisParking(
                 connect_url(redis_server.url, {}, 1),
@@ -267,18 +317,36 @@ async def test_a_parked_moment_reserved_before_redis_restarted_empty_is_not_give
             for bucket in (parker, other)
         ]
         try:
+            if listening:
+                await pauses.start()
             await stores[0].park(Request(f"http://{domain}/parked"), ticket)
             own_redis.restart()
-            moments = []
-            for _ in range(6):
-                result = (await other.acquire(domain, limit, 1)).result
-                assert result.allowed or result.reserved, result
-                assert result.moment_us is not None
-                moments.append(result.moment_us)
-            [(_, back)] = (await stores[1].unpark(ahead=10, limit=10))[0]
+            if listening:
+                await wait_until_async(
+                    lambda: stats.get_value("redis_throttle/state_lost"),
+                    "the listener to read the new secret",
+                )
+            budget = RequestBudget(domain, limit)
+            for _ in range(4):
+                await recording.acquire(domain, limit, 1)
+            [(request, back)] = (await stores[1].unpark(ahead=10, limit=10))[0]
+            asked = len(recording.moments)
+            assert await turns.take(request, budget, back, may_park=False) is WENT
+            # Nor is the lost moment given back to the new bucket (a moment reserved there is).
+            assert held.reservation is not None
+            assert await other.unreserve(domain, [held.reservation]) == Unreserved(0, 0)
+            fresh = (await other.acquire(domain, limit, 1)).result.reservation
+            assert fresh is not None
+            assert await other.unreserve(domain, [fresh]) == Unreserved(1, 0)
         finally:
+            await pauses.stop()
+            await client.aclose()
             for store in stores:
                 await store.close(keep=False)
-    going = sorted([*moments, *([held.moment_us] if back.reserved else [])])
+    honoured = len(recording.moments) == asked
+    going = sorted([*recording.moments, *([held.moment_us] if honoured else [])])
     gaps = [later - earlier for earlier, later in itertools.pairwise(going)]
     assert min(gaps) >= 1e6, f"moments {min(gaps) / 1e6:.3f} s apart (limit 1/s)"
+    assert not honoured
+    assert stats.get_value("redis_throttle/lost_reservations") == 1
+    assert stats.get_value("redis_throttle/rejected/parked_ticket") is None

@@ -138,6 +138,8 @@ class MemoryBucket:
         # What voided() answers: whether Redis could tell, and the last voiding.
         self.voiding: tuple[bool, Voiding | None] = (True, None)
         self.voiding_reads = 0
+        # When (wall time) Redis lost the throttle's state, as read (None: never).
+        self.lost_at: float | None = None
         self._server_clock = ServerClock()
 
     async def acquire(
@@ -155,6 +157,9 @@ class MemoryBucket:
     async def last_voiding(self, domain: str) -> tuple[bool, Voiding | None]:
         self.voiding_reads += 1
         return self.voiding
+
+    def lost(self, reserved_at: float, elsewhere: bool = False) -> bool:
+        return self.lost_at is not None and reserved_at < self.lost_at
 
 
 class FakeDownloader:
@@ -255,6 +260,8 @@ class FlakyScripts:
         self.bucket = LocalBuckets(clock.monotonic)
         self.calls: list[tuple[str, float]] = []
         self.probes = 0
+        # The fleet's secret in Redis: another one is Redis restarted empty.
+        self.secret = b"s" * 64
         self._server_clock = ServerClock()
 
     def _answer(self) -> None:
@@ -284,9 +291,9 @@ class FlakyScripts:
     def server_clock(self, domain: str) -> ServerClock:
         return self._server_clock
 
-    async def load_secret(self) -> bytes:
+    async def load_secret(self) -> tuple[bytes, bool]:
         self._answer()
-        return b"s" * 32
+        return self.secret, False
 
     async def aclose(self) -> None:
         pass

@@ -1,0 +1,106 @@
+"""Redis restarted empty (issue #36): the fleet's secret tells it (:mod:`.seals`), and every
+moment reserved there before is lost: :meth:`.ResilientBucket.check_state` reads it,
+:class:`.Turns` does not let a request go at such a moment, and :class:`.LocalBuckets` does not
+tell the new buckets what it saw in the old ones. On a fake clock; tests/test_resilience.py runs
+the whole sequence on a real Redis."""
+
+from __future__ import annotations
+
+from fakes import FakeClock, Throttle, limit, resilient_bucket
+from scrapy import Request
+from support import async_test
+
+from scrapy_redis_throttle.bucket import AcquireResult
+from scrapy_redis_throttle.local_buckets import LocalBuckets
+from scrapy_redis_throttle.penalties import CLOCK_MARGIN
+from scrapy_redis_throttle.seals import Seals
+from scrapy_redis_throttle.tickets import Ticket
+from scrapy_redis_throttle.waiting import WENT
+
+A, B = "a.example", "b.example"
+TWO_PER_SECOND = limit("2/s")
+
+
+def test_a_new_secret_replaces_the_known_one_and_its_seals_are_told_apart() -> None:
+    seals = Seals()
+    assert seals.know(b"1" * 64) is False, "the first one known replaces none"
+    sealed = seals.seal(b"message")
+    assert seals.know(b"1" * 64) is False, "the same one again"
+    assert seals.check(b"message", sealed)
+    assert seals.know(b"2" * 64) is True
+    assert not seals.check(b"message", sealed)
+    assert seals.sealed_before(b"message", sealed)
+    assert not seals.sealed_before(b"another message", sealed)
+    seals.know(b"3" * 64)
+    assert not seals.sealed_before(b"message", sealed), "only the one just before is kept"
+
+
+@async_test
+async def test_a_new_secret_loses_every_moment_reserved_before_it_was_read() -> None:
+    clock = FakeClock()
+    bucket, scripts, stats = resilient_bucket(clock)
+    await bucket.check()
+    before = clock.wall()
+    await clock.advance(10)
+    await bucket.check_state()
+    assert not bucket.lost(before), "the same secret: nothing lost"
+    scripts.secret = b"t" * 64  # Redis restarted empty; a worker made a new one
+    await clock.advance(10)
+    await bucket.check_state()
+    read_at = clock.wall()
+    assert stats.get_value("redis_throttle/state_lost") == 1
+    assert bucket.lost(before)
+    assert bucket.lost(read_at - 0.001)
+    assert not bucket.lost(read_at), "reserved once it was read: in the new buckets"
+    # Another process's wall clock may be ahead by up to CLOCK_MARGIN.
+    assert bucket.lost(read_at + CLOCK_MARGIN / 2, elsewhere=True)
+    assert not bucket.lost(read_at + CLOCK_MARGIN, elsewhere=True)
+    await bucket.check_state()
+    assert stats.get_value("redis_throttle/state_lost") == 1, "read again: nothing new"
+
+
+def test_after_redis_lost_its_state_only_tokens_taken_locally_are_told() -> None:
+    """What a worker saw reserved in Redis when it failed is told again once it is back (a
+    replica that had not caught up may have lost it): not once Redis is known to have lost it
+    all, whose requests ask anew; the new bucket would stand idle until then. What it took
+    alone meanwhile is told: those requests go."""
+    clock = FakeClock()
+    local = LocalBuckets(clock.monotonic)
+    seen = AcquireResult(False, True, 0.0, retry_after=100.0, reset_after=100.5)
+    local.follow(A, seen)
+    local.follow(B, seen)
+    local.tell_again()
+    taken = local.acquire(B, TWO_PER_SECOND, 1, reserve=300, workers=2)
+    assert taken.reserved
+    assert local.busy_until(A) == clock.now + 100.5
+    local.told(local.untold([B]))  # told to Redis before it lost it
+    local.lost()
+    assert local.busy_until(A) == 0.0
+    assert local.busy_until(B) == clock.now + 100.5 + 1.0, "after the seen ones, as taken"
+    assert list(local.untold([A, B])) == [B], "told again, to the Redis that lost it"
+
+
+@async_test
+async def test_a_request_does_not_go_at_a_moment_redis_lost() -> None:
+    throttle = Throttle()
+    now, wall = throttle.clock.now, throttle.clock.wall()
+    throttle.bucket.lost_at = wall - 1
+    held = Ticket(A, now, True, False, wall - 5, wall - 5, elsewhere=True)
+    assert await throttle.take(Request(f"http://{A}/1"), TWO_PER_SECOND, held) is WENT
+    assert throttle.stat("lost_reservations") == 1
+    assert len(throttle.bucket.calls) == 1, "asked anew"
+    fresh = Ticket(A, throttle.clock.now, True, False, wall, wall, elsewhere=True)
+    await throttle.clock.advance(1)
+    assert await throttle.take(Request(f"http://{A}/2"), TWO_PER_SECOND, fresh) is WENT
+    assert throttle.stat("lost_reservations") == 1, "reserved after the loss was read"
+
+
+@async_test
+async def test_a_moment_taken_alone_while_redis_failed_is_not_lost_with_it() -> None:
+    throttle = Throttle()
+    now, wall = throttle.clock.now, throttle.clock.wall()
+    throttle.bucket.lost_at = wall - 1
+    local = Ticket(A, now, True, True, wall - 5, wall - 5)
+    assert await throttle.take(Request(f"http://{A}/1"), TWO_PER_SECOND, local) is WENT
+    assert throttle.stat("lost_reservations") is None
+    assert throttle.bucket.calls == []
