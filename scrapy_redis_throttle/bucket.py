@@ -414,8 +414,8 @@ class TokenBucket:
         replaced, as if Redis had lost it."""
         key = secret_key(self._key_prefix)
         made = secrets.token_hex(SECRET_BYTES).encode()
-        # Its failure must say that Redis does not answer now: a connection kept across a
-        # restart of Redis fails its next command, which redis-py's pool does not foresee.
+        # Its failure must say that Redis does not answer now: a connection redis-py's pool kept
+        # across a restart of Redis fails its next command.
         await drop_idle_connections(self._redis)
         try:
             found = await self._redis.set(key, made, nx=True, get=True)

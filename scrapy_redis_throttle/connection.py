@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Mapping
 
     from redis.asyncio.client import PubSub
+    from redis.asyncio.connection import AbstractConnection
 
     from .config import ThrottleConfig
 
@@ -185,6 +186,15 @@ async def ping(client: ThrottleRedis) -> None:
         await client.ping(target_nodes=RedisCluster.PRIMARIES)
     else:
         await client.ping()
+
+
+async def closed_by_server(connection: AbstractConnection) -> bool:
+    """Whether the server closed *connection*, which waits for no reply (or left something on
+    it that no command asked for): a command sent on it would fail without running. (redis-py's
+    pool checks this only without maintenance notifications, off by default since redis-py 8.)"""
+    # can_read (redis-py 6+) is can_read_destructive before (deprecated since).
+    check = getattr(connection, "can_read", None) or connection.can_read_destructive
+    return bool(await check())
 
 
 async def drop_idle_connections(client: ThrottleRedis) -> None:

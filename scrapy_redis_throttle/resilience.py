@@ -347,18 +347,19 @@ class ResilientBucket:
         while self.breaker.open_for() is not None:
             await self._clock.sleep(self.breaker.next_probe_in())
             if self.breaker.open_for() is None:  # a call under way got through meanwhile
-                break
+                await self._checked_state()
+                return
             self._stats.inc_value(f"{STATS_PREFIX}/redis_calls")
             try:
                 for name in self._failed_domains:
                     await self._bucket.probe(name)
+                # Whether it restarted empty, before the requests waiting for it call it: they
+                # would tell it the moments this worker saw reserved, lost (see lost()).
+                await self.check_state()
             except RedisError as exc:
                 self._stats.inc_value(f"{STATS_PREFIX}/redis_errors/{type(exc).__name__}")
                 continue
             self._succeeded()
-        # Back: it may have restarted empty (the pauses' listener reads it too, at its next
-        # subscription).
-        await self._checked_state()
 
     async def aclose(self) -> None:
         """Stop probing, disconnect; count an outage still under way in the stats."""

@@ -23,7 +23,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .connection import ClusterClient
+from .connection import ClusterClient, closed_by_server
 from .rates import MAX_LIMITS, MAX_SLIDING_COUNT
 from .redis_schema import EPOCH
 from .scopes import MAX_SCOPES
@@ -261,6 +261,10 @@ class LuaScript(_Source):
         """Replies to *calls*, in order; a call that failed on its own has its exception."""
         connection = self._connection
         try:
+            if connection.is_connected and await closed_by_server(connection):
+                # Since the last batch (a restart of Redis): the calls would fail on it, sent to
+                # a server that has gone, and say nothing of the one that may answer now.
+                await connection.disconnect()
             if not connection.is_connected:
                 # Not left to send_packed_command: a Sentinel-managed connection asks the
                 # sentinels for the primary in connect() alone.
