@@ -149,10 +149,7 @@ class Fallback:
 
     def redis_back(self, outage: float) -> None:
         """Redis answers again after *outage* seconds (the breaker closed)."""
-        if self._config.on_redis_error == FALLBACK_LOCAL:
-            self._handover_until = self._clock.monotonic() + self._config.probe_interval
-            # Each share goes on from where this worker's pace alone was: no new burst.
-            self._handover = self.local.snapshot()
+        self._start_handover()
         self.count_outage(outage)
         logger.info(
             "Redis throttle: Redis at %s is back after %.1f s; limits are shared again",
@@ -163,10 +160,20 @@ class Fallback:
 
     def redis_lost(self) -> None:
         """Redis lost the throttle's state (restarted empty): what this worker saw reserved
-        there is void (its requests ask anew), in its pace alone and in the handover's; what it
-        took alone still holds."""
+        there is void (its requests ask anew); what it took alone still holds. A handover
+        starts."""
         self.local.lost()
-        self._handover.lost()
+        # It was down for every worker (restarted), whether or not this one called it then:
+        # the others may still pace alone.
+        self._start_handover()
+
+    def _start_handover(self) -> None:
+        """Keep to this worker's share for one REDIS_THROTTLE_PROBE_INTERVAL (see
+        :meth:`handover_wait`)."""
+        if self._config.on_redis_error == FALLBACK_LOCAL:
+            self._handover_until = self._clock.monotonic() + self._config.probe_interval
+            # Each share goes on from where this worker's pace alone was: no new burst.
+            self._handover = self.local.snapshot()
 
     def count_outage(self, seconds: float) -> None:
         """Add *seconds* of an outage to ``redis_throttle/fallback_time``."""

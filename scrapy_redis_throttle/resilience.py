@@ -31,7 +31,7 @@ from .across_nodes import CallsStopped
 from .breaker import CircuitBreaker
 from .bucket import AcquireResult, TokenBucket, Unreserved
 from .config import FALLBACK_LOCAL, STATS_PREFIX
-from .connection import ping
+from .connection import ClusterClient, ping
 from .fallback import Fallback, Grant, later
 from .penalties import CLOCK_MARGIN
 from .rejections import Rejections
@@ -136,6 +136,10 @@ class ResilientBucket:
             )
         if self.seals.know(secret) or replaced:
             self._state_lost()
+        if not isinstance(self._redis, ClusterClient):
+            # Redis answers (on a cluster, this says nothing of the other primaries): a worker
+            # that paced alone meanwhile would go on from a view of the buckets that may be void.
+            self._succeeded()
 
     async def _checked_state(self) -> None:
         """:meth:`check_state`, at start and once Redis is back, where a failure is not fatal."""

@@ -6,6 +6,7 @@ the whole sequence on a real Redis."""
 
 from __future__ import annotations
 
+import pytest
 from fakes import FakeClock, Throttle, limit, resilient_bucket
 from scrapy import Request
 from support import async_test
@@ -39,7 +40,7 @@ def test_a_new_secret_replaces_the_known_one_and_its_seals_are_told_apart() -> N
 async def test_a_new_secret_loses_every_moment_reserved_before_it_was_read() -> None:
     clock = FakeClock()
     bucket, scripts, stats = resilient_bucket(clock)
-    await bucket.check()
+    await bucket.check_state()  # the secret as it is at start
     before = clock.wall()
     await clock.advance(10)
     await bucket.check_state()
@@ -104,3 +105,42 @@ async def test_a_moment_taken_alone_while_redis_failed_is_not_lost_with_it() -> 
     assert await throttle.take(Request(f"http://{A}/1"), TWO_PER_SECOND, local) is WENT
     assert throttle.stat("lost_reservations") is None
     assert throttle.bucket.calls == []
+
+
+@async_test
+async def test_a_worker_that_reads_redis_lost_its_state_keeps_to_its_share_a_while() -> None:
+    """Redis restarted: down for every worker, whether or not this one called it then (its
+    requests all held their moments). Another worker may still pace alone until its probe:
+    this one keeps to its share for REDIS_THROTTLE_PROBE_INTERVAL, as after an outage it saw."""
+    clock = FakeClock()
+    bucket, scripts, _ = resilient_bucket(clock, REDIS_THROTTLE_PROBE_INTERVAL=2)
+    await bucket.check_state()  # the secret as it is at start
+    scripts.secret = b"t" * 64
+    await bucket.check_state()
+    first = await bucket.acquire(A, limit("10/s"), 1)  # a share of 5/s, burst 1: now
+    second = await bucket.acquire(A, limit("10/s"), 1)
+    assert first.shared
+    assert second.handover
+    assert second.result.retry_after == pytest.approx(0.2)
+    await clock.advance(2.0)
+    assert not (await bucket.acquire(A, limit("10/s"), 1)).handover
+    await bucket.aclose()
+
+
+@async_test
+async def test_redis_that_answers_the_state_read_is_back() -> None:
+    """A worker whose breaker is open reads the state (its pauses' listener subscribed again, a
+    request is about to go at its moment): Redis answers, so the breaker closes then, not at
+    the next probe. Meanwhile this worker would pace alone from a view of the buckets that may
+    be void (cleared, when Redis lost them: a burst at once, beside the others' moments)."""
+    clock = FakeClock()
+    bucket, scripts, stats = resilient_bucket(clock)
+    await bucket.check_state()  # the secret as it is at start
+    scripts.up = False
+    assert not (await bucket.acquire(A, TWO_PER_SECOND, 1)).shared
+    assert bucket.breaker.open_for() is not None
+    scripts.up = True
+    await bucket.check_state()
+    assert bucket.breaker.open_for() is None
+    assert stats.get_value("redis_throttle/outages") == 1
+    await bucket.aclose()
