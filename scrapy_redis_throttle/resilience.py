@@ -230,7 +230,7 @@ class ResilientBucket:
             # Only a call that takes tokens writes the buckets (busy_until with them): after a
             # refusal or a pause, what was taken locally is still to tell.
             local.told(untold)
-        local.follow(domain, result, others, cost)
+        local.follow(domain, limit, result, others, cost)
         if openings != self._openings and self._config.on_redis_error == FALLBACK_LOCAL:
             # Redis answered a call sent before it failed: its moment was chosen without what
             # the fallback gave out meanwhile, and may collide with it. The request goes by the

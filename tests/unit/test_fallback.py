@@ -83,7 +83,7 @@ def test_local_buckets_start_where_the_shared_bucket_was() -> None:
     local = LocalBuckets(clock.monotonic)
     shared = AcquireResult(allowed=False, reserved=True, tokens_left=0, retry_after=0.9,
                            reset_after=1.0)  # fmt: skip
-    local.follow("a.example", shared)
+    local.follow("a.example", Limit(10, 1, "10/s"), shared)
     result = local.acquire("a.example", Limit(10, 1, "10/s"), cost=1, reserve=5, workers=1)
     assert result.retry_after == pytest.approx(1.0), "after the tokens Redis already gave out"
 
@@ -98,7 +98,7 @@ def test_only_tokens_taken_locally_are_told_to_redis_once() -> None:
     limit = Limit(10, 1, "10/s")
     shared = AcquireResult(allowed=True, reserved=False, tokens_left=0, retry_after=0,
                            reset_after=1.0)  # fmt: skip
-    local.follow("a.example", shared)
+    local.follow("a.example", Limit(10, 1, "10/s"), shared)
     assert local.busy_until("a.example") == 0, "Redis's own view"
     local.acquire("a.example", limit, 1, reserve=5, workers=1)
     assert local.busy_until("a.example") == pytest.approx(clock.now + 1.1), (
@@ -118,7 +118,7 @@ def test_only_tokens_taken_locally_are_told_to_redis_once() -> None:
     assert local.busy_until("a.example") == 0
     # Redis failed: what was seen busy in it is told again (it may have lost it); not a bucket
     # full again by then.
-    local.follow("b.example", shared)
+    local.follow("b.example", Limit(10, 1, "10/s"), shared)
     clock.now += 0.5
     local.tell_again()
     assert local.busy_until("a.example") == 0

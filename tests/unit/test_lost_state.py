@@ -60,25 +60,27 @@ async def test_a_new_secret_loses_every_moment_reserved_before_it_was_read() -> 
     assert stats.get_value("redis_throttle/state_lost") == 1, "read again: nothing new"
 
 
-def test_after_redis_lost_its_state_only_tokens_taken_locally_are_told() -> None:
+def test_after_redis_lost_its_state_only_what_still_holds_is_told() -> None:
     """What a worker saw reserved in Redis when it failed is told again once it is back (a
     replica that had not caught up may have lost it): not once Redis is known to have lost it
-    all, whose requests ask anew; the new bucket would stand idle until then. What it took
-    alone meanwhile is told: those requests go."""
+    all, whose requests ask anew; the new bucket would stand idle until then. Only the moment
+    that may have gone just now counts, for one request's time (else a new grant at once, 184
+    ms after it at 2/s: a 429 in 1 of 10 runs of tests/test_fleet_faults.py). What it took alone
+    meanwhile is told: those requests go."""
     clock = FakeClock()
     local = LocalBuckets(clock.monotonic)
     seen = AcquireResult(False, True, 0.0, retry_after=100.0, reset_after=100.5)
-    local.follow(A, seen)
-    local.follow(B, seen)
+    local.follow(A, TWO_PER_SECOND, seen)
+    local.follow(B, TWO_PER_SECOND, seen)
     local.tell_again()
     taken = local.acquire(B, TWO_PER_SECOND, 1, reserve=300, workers=2)
     assert taken.reserved
     assert local.busy_until(A) == clock.now + 100.5
     local.told(local.untold([B]))  # told to Redis before it lost it
     local.lost()
-    assert local.busy_until(A) == 0.0
+    assert local.busy_until(A) == clock.now + 0.5, "one request's time at 2/s"
     assert local.busy_until(B) == clock.now + 100.5 + 1.0, "after the seen ones, as taken"
-    assert list(local.untold([A, B])) == [B], "told again, to the Redis that lost it"
+    assert list(local.untold([A, B])) == [A, B], "told, to the Redis that lost them"
 
 
 @async_test
