@@ -85,6 +85,17 @@ class Fallback:
         """The decision for a request while Redis fails (None: it waits for Redis)."""
         policy = self._config.on_redis_error
         if policy == FALLBACK_LOCAL:
+            if (
+                self._config.fallback_workers is None
+                and self.workers() is not None
+                and not self.local.seen(domain)
+            ):
+                # This worker never saw the domain's bucket in Redis (or forgot it): it does not
+                # know the moments other workers hold there, and would pace beside them from
+                # nothing. Asked again at the longest probe delay (parked meanwhile). With
+                # REDIS_THROTTLE_FALLBACK_WORKERS, the project chose to pace alone anyway.
+                self._stats.inc_value(f"{STATS_PREFIX}/fallback/unseen_domain")
+                return Grant(later(self._config.probe_interval), shared=False)
             return self.paced_alone(domain, limit, cost, others)
         if policy == FALLBACK_OPEN:
             self._stats.inc_value(f"{STATS_PREFIX}/fallback/open")

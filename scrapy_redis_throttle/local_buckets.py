@@ -76,6 +76,11 @@ class LocalBuckets:
                 self._step[name] = cost / each.rate
         self._prune(now)
 
+    def seen(self, domain: str) -> bool:
+        """Whether these buckets know where *domain*'s shared bucket was (see :meth:`follow`), or
+        took tokens of it."""
+        return domain in self._full_at
+
     def snapshot(self) -> LocalBuckets:
         """A copy of these buckets as they are now, which goes its own way from here."""
         copy = LocalBuckets(self._clock)
