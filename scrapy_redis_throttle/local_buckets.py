@@ -132,6 +132,9 @@ class LocalBuckets:
         self._taken_until = {
             domain: at for domain, at in self._taken_until.items() if domain in self._full_at
         }
+        self._step = {
+            domain: step for domain, step in self._step.items() if domain in self._full_at
+        }
         self._untold = {}
         for domain in self._full_at:
             self._takes += 1
