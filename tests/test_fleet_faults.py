@@ -35,13 +35,13 @@ from processes import start_crawl_worker, wait_until
 from releases import EXTENSION as RELEASES_EXTENSION
 from releases import RELEASED
 
-# The slow domain has a long backlog: its parked requests hold moments up to ~25 s ahead when
+# The slow domain has a long backlog: its parked requests hold moments up to ~15 s ahead when
 # the throttle's Redis restarts.
 SLOW = Domain(HOSTS[0], 2.0, 1)
 MIDDLE = Domain(HOSTS[1], 4.0, 2)
 FAST = Domain(HOSTS[2], 10.0, 2)
 DOMAINS = [SLOW, MIDDLE, FAST]
-COUNTS = {SLOW.host: 60, MIDDLE.host: 80, FAST.host: 200}
+COUNTS = {SLOW.host: 44, MIDDLE.host: 60, FAST.host: 150}
 RATES = {domain.host: domain.spec for domain in DOMAINS}
 # Seconds from the first arrival: each fault, and how long it lasts.
 KILL_AT, REPLACE_AFTER = 3.0, 2.0
