@@ -9,10 +9,11 @@ Run inside a Scrapy project, it reads the project's settings (``REDIS_THROTTLE_U
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import redis
 from redis.exceptions import RedisClusterException
@@ -38,7 +39,7 @@ from .scopes import proxy_budget
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from .control import Change, DomainState
+    from .control import Change, DomainState, LiveLimit
 
 WORKERS_OWN_LIMIT = "the workers' own limit"
 UNREADABLE_NOTE = "ignored, unreadable in Redis: "
@@ -68,13 +69,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command in ("delete", "pause", "resume"):
             _print_change(args.domain, getattr(control, args.command)(args.domain))
         elif args.command == "get":
-            print(_table([control.state(args.domain)], config, args.in_project, control.activity()))
+            rows = _rows([control.state(args.domain)], config, args.in_project, control.activity())
+            print(_json({"domains": rows}) if args.json else _table(rows))
         elif args.command == "list":
             limits = control.live_limits()
-            print(
-                "\n".join(f"{domain}: {limit}" for domain, limit in limits.items())
-                or "No domain has a limit set live."
-            )
+            if args.json:
+                print(_json({"live": {domain: _live(limit) for domain, limit in limits.items()}}))
+            else:
+                print(
+                    "\n".join(f"{domain}: {limit}" for domain, limit in limits.items())
+                    or "No domain has a limit set live."
+                )
         else:
             _status(control, config, args)
         for problem in control.problems:
@@ -139,14 +144,28 @@ def _parser() -> argparse.ArgumentParser:
         ("pause", "stop every request to a domain until it is resumed"),
         ("resume", "end a pause set live"),
     ):
-        commands.add_parser(name, help=text).add_argument("domain", metavar="DOMAIN")
-    commands.add_parser("list", help="the domains with a limit set live")
+        command = commands.add_parser(name, help=text)
+        command.add_argument("domain", metavar="DOMAIN")
+        if name == "get":
+            _json_option(command)
+    _json_option(commands.add_parser("list", help="the domains with a limit set live"))
     status = commands.add_parser("status", help="a table of the active domains")
+    _json_option(status)
     status.add_argument(
         "--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C"
     )
     status.add_argument("--top", type=int, default=50, help="show at most this many (default 50)")
     return parser
+
+
+def _json_option(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--json", action="store_true", help="print JSON (one object per refresh with --watch)"
+    )
+
+
+def _json(value: object) -> str:
+    return json.dumps(value, sort_keys=True)
 
 
 def _domain(text: str) -> str:
@@ -234,7 +253,17 @@ def _status(control: LiveControl, config: ThrottleConfig, args: argparse.Namespa
         activity = control.activity()
         domains = sorted(set(control.active_domains()) | set(activity))
         states = control.states(domains[: args.top])
-        table = _table(states, config, args.in_project, activity) if states else "No active domain."
+        rows = _rows(states, config, args.in_project, activity)
+        if args.json:
+            more = len(domains) - len(rows)
+            print(_json({"domains": rows, "more": more, "unreadable": control.problems}))
+            control.problems.clear()
+            if args.watch is None:
+                return
+            sys.stdout.flush()
+            time.sleep(args.watch)
+            continue
+        table = _table(rows) if rows else "No active domain."
         if len(domains) > args.top:
             table += f"\n... and {len(domains) - args.top} more (--top)"
         # Under the table each time: a watch ends only with Ctrl-C.
@@ -250,12 +279,44 @@ def _status(control: LiveControl, config: ThrottleConfig, args: argparse.Namespa
         time.sleep(args.watch)
 
 
-def _table(
+def _rows(
     states: list[DomainState],
     config: ThrottleConfig,
     in_project: bool,
     activity: dict[str, tuple[int, int]],
-) -> str:
+) -> list[dict[str, Any]]:
+    """Each domain's state, as ``status --json`` prints it (times in seconds, rates per second;
+    None: not known here)."""
+    rows = []
+    covers = config.scope.wildcards_cover_domains
+    for state in states:
+        went, waiting = activity.get(state.domain, (0, 0))
+        code = config.limits.lookup(state.domain, covers) if in_project else None
+        limit = _effective(state, code)
+        shown = state.live or code
+        rows.append(
+            {
+                "domain": state.domain,
+                "limit": str(shown) if shown else None,
+                "set": "live" if state.live else ("code" if code else None),
+                "paused": bool(state.live and state.live.paused),
+                "rate": None if limit is None else limit.rate,
+                "burst": None if limit is None else limit.burst,
+                "tokens_left": (
+                    None if limit is None else max(0.0, limit.burst - state.full_in * limit.rate)
+                ),
+                "full_in": state.full_in,
+                "last_minute": went,
+                "waiting": waiting,
+                "penalty_pause": state.penalty_pause,
+                "strikes": state.strikes,
+                "adaptive_rate": state.adaptive_rate,
+            }
+        )
+    return rows
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
     header = (
         "domain",
         "limit",
@@ -267,33 +328,37 @@ def _table(
         "penalty pause",
         "adaptive",
     )
-    rows = [header]
-    covers = config.scope.wildcards_cover_domains
-    for state in states:
-        went, waiting = activity.get(state.domain, (0, 0))
-        code = config.limits.lookup(state.domain, covers) if in_project else None
-        limit = _effective(state, code)
-        tokens = (
-            "?" if limit is None else f"{max(0.0, limit.burst - state.full_in * limit.rate):.1f}"
-        )
-        rows.append(
+    lines = [header]
+    for row in rows:
+        tokens, pause, adaptive = row["tokens_left"], row["penalty_pause"], row["adaptive_rate"]
+        lines.append(
             (
-                state.domain,
-                str(state.live) if state.live else (str(code) if code else "?"),
-                "live" if state.live else ("code" if code else "-"),
-                tokens,
-                f"{state.full_in:.1f} s",
-                str(went),
-                str(waiting),
-                f"{state.penalty_pause:.1f} s (x{state.strikes})" if state.penalty_pause else "-",
-                format_rate(state.adaptive_rate) if state.adaptive_rate else "-",
+                row["domain"],
+                row["limit"] or "?",
+                row["set"] or "-",
+                "?" if tokens is None else f"{tokens:.1f}",
+                f"{row['full_in']:.1f} s",
+                str(row["last_minute"]),
+                str(row["waiting"]),
+                f"{pause:.1f} s (x{row['strikes']})" if pause else "-",
+                format_rate(adaptive) if adaptive else "-",
             )
         )
-    widths = [max(len(row[n]) for row in rows) for n in range(len(header))]
+    widths = [max(len(line[n]) for line in lines) for n in range(len(header))]
     return "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in rows
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in lines
     )
+
+
+def _live(limit: LiveLimit) -> dict[str, Any]:
+    """A limit set live, as ``list --json`` prints it (None: the workers' own)."""
+    return {
+        "limit": str(limit),
+        "rate": limit.rate,
+        "burst": limit.burst,
+        "paused": limit.paused,
+    }
 
 
 def _effective(state: DomainState, code: Limit | None) -> Limit | None:

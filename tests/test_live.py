@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -232,6 +234,54 @@ def test_status_shows_the_active_domains_with_the_project_limits(
             "-",
         ],
     ], "the burst and rates of the example spider's redis_throttle_rates"
+
+
+def test_the_tool_prints_json_for_machines(redis_server: RedisServer) -> None:
+    """``get``, ``list`` and ``status`` with ``--json``: the same state as the tables, typed
+    (seconds, requests per second; null where the tool does not know), one object per call."""
+    with redis_server.client() as client:
+        control = LiveControl(client, "redis_throttle")
+        control.set("127.0.0.3", 1, 2)
+        control.pause("127.0.0.4")
+    url = ["--redis-url", redis_server.url, "--spider", "shop"]
+
+    def printed(*args: str) -> Any:
+        done = tool(*url, *args, "--json", cwd=EXAMPLE_PROJECT)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    live = printed("list")
+    assert live == {
+        "live": {
+            "127.0.0.3": {"limit": "1/s (burst 2)", "rate": 1.0, "burst": 2, "paused": False},
+            "127.0.0.4": {
+                "limit": "workers' rate (workers' burst), PAUSED",
+                "rate": None,
+                "burst": None,
+                "paused": True,
+            },
+        }
+    }
+    [got] = printed("get", "127.0.0.3")["domains"]
+    assert got == {
+        "domain": "127.0.0.3",
+        "limit": "1/s (burst 2)",
+        "set": "live",
+        "paused": False,
+        "rate": 1.0,
+        "burst": 2,
+        "tokens_left": 2.0,
+        "full_in": 0.0,
+        "last_minute": 0,
+        "waiting": 0,
+        "penalty_pause": 0.0,
+        "strikes": 0,
+        "adaptive_rate": None,
+    }
+    status = printed("status", "--top", "1")
+    assert [row["domain"] for row in status["domains"]] == ["127.0.0.3"]
+    assert status["more"] == 1
+    assert status["unreadable"] == []
 
 
 @pytest.mark.parametrize(
