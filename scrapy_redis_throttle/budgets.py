@@ -69,6 +69,10 @@ class Budgets:
         others = await self._others(request, domain)
         return RequestBudget(domain, limit, others, self._cost(request, limit, others))
 
+    def domain_of(self, request: Request) -> str | None:
+        """The domain *request* was throttled under (None: not resolved)."""
+        return self._sent.get(request)
+
     async def failed(self, request: Request) -> tuple[str, Limit | None]:
         """The domain and limit a failure of *request* counts against (no limit: against none,
         the request is not throttled or opted out)."""

@@ -12,6 +12,7 @@ import argparse
 import json
 import re
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -20,10 +21,11 @@ from redis.exceptions import RedisClusterException
 from scrapy.utils.conf import closest_scrapy_cfg
 from scrapy.utils.project import get_project_settings
 
-from .config import SCOPE_ATTRIBUTE, SPIDER_ATTRIBUTE, ThrottleConfig
+from .config import SCOPE_ATTRIBUTE, SPIDER_ATTRIBUTE, ThrottleConfig, needs_extra
 from .connection import connect_sync
-from .control import LiveControl
+from .control import FleetActivity, LiveControl
 from .errors import ThrottleConfigError
+from .metrics_endpoint import MetricsEndpoint
 from .rates import (
     TOKEN_BUCKET,
     Limit,
@@ -56,6 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = _config(args)
         if args.command == "set":
             live = _live_limit(args.limits, args.burst)
+        if args.command == "exporter":
+            needs_extra("exporter", "prometheus_client", "metrics")
     except ThrottleConfigError as exc:
         parser.error(str(exc))
     try:
@@ -80,6 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "\n".join(f"{domain}: {limit}" for domain, limit in limits.items())
                     or "No domain has a limit set live."
                 )
+        elif args.command == "exporter":
+            _export(control, args)
         else:
             _status(control, config, args)
         for problem in control.problems:
@@ -155,7 +161,39 @@ def _parser() -> argparse.ArgumentParser:
         "--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C"
     )
     status.add_argument("--top", type=int, default=50, help="show at most this many (default 50)")
+    exporter = commands.add_parser(
+        "exporter",
+        help="serve the fleet's state in Redis to Prometheus, at /metrics, until Ctrl-C",
+    )
+    exporter.add_argument(
+        "--port",
+        type=_port,
+        required=True,
+        help="the port to listen on (0: any free one)",
+    )
+    exporter.add_argument(
+        "--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)"
+    )
+    exporter.add_argument(
+        "--top",
+        type=_positive_int,
+        default=100,
+        help="the domains with the most requests in the last minute that keep their own "
+        "domain label (default 100)",
+    )
     return parser
+
+
+def _port(text: str) -> int:
+    if not text.isascii() or not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port, 0 to 65535, got {text!r}")
+    return int(text)
+
+
+def _positive_int(text: str) -> int:
+    if not text.isascii() or not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer of at least 1, got {text!r}")
+    return int(text)
 
 
 def _json_option(command: argparse.ArgumentParser) -> None:
@@ -251,19 +289,30 @@ def _print_change(domain: str, change: Change) -> None:
 def _status(control: LiveControl, config: ThrottleConfig, args: argparse.Namespace) -> None:
     while True:
         activity = control.activity()
+        workers = control.fleet_workers()
         domains = sorted(set(control.active_domains()) | set(activity))
         states = control.states(domains[: args.top])
         rows = _rows(states, config, args.in_project, activity)
         if args.json:
             more = len(domains) - len(rows)
-            print(_json({"domains": rows, "more": more, "unreadable": control.problems}))
+            print(
+                _json(
+                    {
+                        "workers": workers,
+                        "domains": rows,
+                        "more": more,
+                        "unreadable": control.problems,
+                    }
+                )
+            )
             control.problems.clear()
             if args.watch is None:
                 return
             sys.stdout.flush()
             time.sleep(args.watch)
             continue
-        table = _table(rows) if rows else "No active domain."
+        live = f"{workers} worker{'' if workers == 1 else 's'} live"
+        table = f"{live}\n" + (_table(rows) if rows else "No active domain.")
         if len(domains) > args.top:
             table += f"\n... and {len(domains) - args.top} more (--top)"
         # Under the table each time: a watch ends only with Ctrl-C.
@@ -283,14 +332,14 @@ def _rows(
     states: list[DomainState],
     config: ThrottleConfig,
     in_project: bool,
-    activity: dict[str, tuple[int, int]],
+    activity: dict[str, FleetActivity],
 ) -> list[dict[str, Any]]:
     """Each domain's state, as ``status --json`` prints it (times in seconds, rates per second;
     None: not known here)."""
     rows = []
     covers = config.scope.wildcards_cover_domains
     for state in states:
-        went, waiting = activity.get(state.domain, (0, 0))
+        fleet = activity.get(state.domain, FleetActivity(0, 0, 0))
         code = config.limits.lookup(state.domain, covers) if in_project else None
         limit = _effective(state, code)
         shown = state.live or code
@@ -306,8 +355,9 @@ def _rows(
                     None if limit is None else max(0.0, limit.burst - state.full_in * limit.rate)
                 ),
                 "full_in": state.full_in,
-                "last_minute": went,
-                "waiting": waiting,
+                "last_minute": fleet.went,
+                "achieved_rate": fleet.achieved_rate,
+                "waiting": fleet.waiting,
                 "penalty_pause": state.penalty_pause,
                 "strikes": state.strikes,
                 "adaptive_rate": state.adaptive_rate,
@@ -324,6 +374,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
         "tokens left",
         "full in",
         "last minute",
+        "achieved",
         "waiting",
         "penalty pause",
         "adaptive",
@@ -339,6 +390,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
                 "?" if tokens is None else f"{tokens:.1f}",
                 f"{row['full_in']:.1f} s",
                 str(row["last_minute"]),
+                format_rate(row["achieved_rate"]) if row["achieved_rate"] else "-",
                 str(row["waiting"]),
                 f"{pause:.1f} s (x{row['strikes']})" if pause else "-",
                 format_rate(adaptive) if adaptive else "-",
@@ -349,6 +401,26 @@ def _table(rows: list[dict[str, Any]]) -> str:
         "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
         for line in lines
     )
+
+
+def _export(control: LiveControl, args: argparse.Namespace) -> None:
+    """Serve the fleet's state (see :class:`.fleet_exporter.FleetCollector`) until Ctrl-C."""
+    from .fleet_exporter import FleetCollector
+
+    endpoint = MetricsEndpoint.start(
+        FleetCollector(control, args.top, _unreadable), args.host, (args.port, args.port)
+    )
+    print(
+        f"serving the fleet's metrics at http://{endpoint.host}:{endpoint.port}/metrics", flush=True
+    )
+    try:
+        threading.Event().wait()
+    finally:
+        endpoint.close()
+
+
+def _unreadable(problem: str) -> None:
+    print(f"scrapy-redis-throttle: {UNREADABLE_NOTE}{problem}", file=sys.stderr, flush=True)
 
 
 def _live(limit: LiveLimit) -> dict[str, Any]:

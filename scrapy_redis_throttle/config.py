@@ -8,6 +8,7 @@ syntax of rates and limits is :mod:`.rates`'; the Redis connection settings are
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,7 @@ from scrapy.exceptions import NotConfigured
 from scrapy.utils.misc import load_object
 
 from .errors import ThrottleConfigError
+from .metrics import DEFAULT_MAX_DOMAINS
 from .rates import LimitTable, build_table, parse_burst, parse_limit, parse_positive_int, parse_rate
 from .redis_settings import (
     Cluster,
@@ -69,6 +71,7 @@ DEFAULT_ADAPTIVE_DECREASE = 0.5
 DEFAULT_ADAPTIVE_RECOVERY = 600.0
 # REDIS_THROTTLE_FALLBACK_WORKERS: None divides by the number of workers seen live in Redis.
 DEFAULT_FALLBACK_WORKERS = None
+DEFAULT_METRICS_HOST = "127.0.0.1"
 # REDIS_THROTTLE_ON_REDIS_ERROR: what requests do while Redis fails (see resilience.py).
 FALLBACK_LOCAL = "local"
 FALLBACK_OPEN = "open"
@@ -98,6 +101,25 @@ class Adaptive:
     recovery: float
     """Seconds the rate takes to climb back from the floor to the configured rate, linearly,
     while no failure comes."""
+
+
+@dataclass(frozen=True)
+class MetricsSettings:
+    """What the worker's metrics are served by (see :mod:`.metrics`)."""
+
+    ports: tuple[int, int] | None
+    """The ``/metrics`` endpoint takes the first free port of this range (None: no endpoint;
+    ``(0, 0)``: any free port)."""
+    host: str
+    """The address it listens on."""
+    max_domains: int
+    """The domains with the most traffic that keep their own ``domain`` label."""
+    otel: bool
+    """The metrics also go through OpenTelemetry's global MeterProvider."""
+
+    @property
+    def on(self) -> bool:
+        return self.ports is not None or self.otel
 
 
 @dataclass(frozen=True)
@@ -220,6 +242,8 @@ class ThrottleConfig:
     gc_freeze: bool
     """Freeze the start-up's objects out of Python's garbage collector at the spider's
     opening (see :mod:`scrapy_redis_throttle.gc_freeze`)."""
+    metrics: MetricsSettings
+    """The worker's metrics: its ``/metrics`` endpoint, OpenTelemetry."""
 
     @property
     def redis_location(self) -> str:
@@ -317,6 +341,7 @@ class ThrottleConfig:
             adaptive=_adaptive(settings),
             crawl_delay=get_flag(settings, "REDIS_THROTTLE_CRAWL_DELAY_ENABLED", default=True),
             gc_freeze=get_flag(settings, "REDIS_THROTTLE_GC_FREEZE", default=True),
+            metrics=_metrics(settings),
             max_crawl_delay=get_seconds(
                 settings, "REDIS_THROTTLE_MAX_CRAWL_DELAY", DEFAULT_MAX_CRAWL_DELAY, minimum=0.001
             ),
@@ -339,6 +364,66 @@ def _fallback_workers(settings: BaseSettings) -> int | None:
     return parse_positive_int(
         value, source="REDIS_THROTTLE_FALLBACK_WORKERS", what="the number of workers"
     )
+
+
+def _metrics(settings: BaseSettings) -> MetricsSettings:
+    host = get_value(settings, "REDIS_THROTTLE_METRICS_HOST", DEFAULT_METRICS_HOST)
+    if not isinstance(host, str) or not host.strip():
+        raise ThrottleConfigError(
+            f"REDIS_THROTTLE_METRICS_HOST must be a host name or address, got {host!r}"
+        )
+    metrics = MetricsSettings(
+        ports=_ports(get_value(settings, "REDIS_THROTTLE_METRICS_PORT", None)),
+        host=host.strip(),
+        max_domains=parse_positive_int(
+            get_value(settings, "REDIS_THROTTLE_METRICS_MAX_DOMAINS", DEFAULT_MAX_DOMAINS),
+            source="REDIS_THROTTLE_METRICS_MAX_DOMAINS",
+            what="the number of domains",
+        ),
+        otel=get_flag(settings, "REDIS_THROTTLE_METRICS_OTEL", default=False),
+    )
+    if metrics.ports is not None:
+        needs_extra("REDIS_THROTTLE_METRICS_PORT", "prometheus_client", "metrics")
+    if metrics.otel:
+        needs_extra("REDIS_THROTTLE_METRICS_OTEL", "opentelemetry.metrics", "otel")
+    return metrics
+
+
+def needs_extra(what: str, module: str, extra: str) -> None:
+    """Raise :exc:`.ThrottleConfigError` when *what* (a setting, a command) needs *module*,
+    which the package's *extra* installs, and it is missing."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise ThrottleConfigError(
+            f"{what} needs {module.partition('.')[0]}: pip install 'scrapy-redis-throttle[{extra}]'"
+        ) from None
+
+
+def _ports(value: object) -> tuple[int, int] | None:
+    """``REDIS_THROTTLE_METRICS_PORT``: None, a port, or a range ``[low, high]`` (a list, or a
+    string ``"low,high"`` from ``scrapy crawl -s``) as Scrapy's ``TELNETCONSOLE_PORT``."""
+    if value is None:
+        return None
+    parts: object = value.split(",") if isinstance(value, str) else value
+    if not isinstance(parts, (list, tuple)):
+        parts = [parts]
+    ports = [_port(part) for part in parts]
+    valid = [port for port in ports if port is not None]
+    if len(valid) != len(ports) or len(valid) not in (1, 2) or valid[0] > valid[-1]:
+        raise ThrottleConfigError(
+            "REDIS_THROTTLE_METRICS_PORT must be a port (0-65535; 0: any free one) or a range "
+            f"[low, high] of them, got {value!r}"
+        )
+    return valid[0], valid[-1]
+
+
+def _port(value: object) -> int | None:
+    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+        return None
+    return value
 
 
 def _adaptive(settings: BaseSettings) -> Adaptive | None:

@@ -11,14 +11,16 @@ import json
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
+from .activity import RECENT
 from .rates import TOKEN_BUCKET, Quota, format_rate
 from .redis_schema import (
     ALGORITHM_CODES,
     PENALTY_SUFFIX,
     RATE_SUFFIX,
     bucket_key,
+    fleet_key,
     key_tag,
     live_key,
     parked_counts_key,
@@ -99,6 +101,26 @@ class Change:
     """The domain's live limit after the change (None: the workers' own configuration)."""
     void: float
     """Seconds of moments reserved before the change, which their requests ask for again."""
+
+
+class FleetActivity(NamedTuple):
+    """A domain's activity in the fleet, from the workers' reports (see :mod:`.activity`)."""
+
+    went: int
+    """Requests that went in the last minute."""
+    held: int
+    """Requests held in the workers' middlewares now."""
+    parked: int
+    """Requests parked now."""
+
+    @property
+    def waiting(self) -> int:
+        return self.held + self.parked
+
+    @property
+    def achieved_rate(self) -> float:
+        """Requests per second over the last minute."""
+        return self.went / RECENT
 
 
 @dataclass(frozen=True)
@@ -200,21 +222,26 @@ class LiveControl:
             for key in self._client.scan_iter(tagged_key(self._prefix, "*"), count=SCAN_COUNT)
         )
 
-    def activity(self) -> dict[str, tuple[int, int]]:
-        """Per domain (by its :func:`.redis_schema.key_tag`), the fleet's requests in the last
-        minute and waiting now (held in a middleware, or parked), from the workers' reports
-        (see :mod:`.activity`)."""
+    def fleet_workers(self) -> int:
+        """The workers live in the fleet now (see ``lua/fleet.lua``)."""
+        seconds, micros = self._client.time()
+        now = server_micros(seconds, micros)
+        return int(self._client.zcount(fleet_key(self._prefix), f"({now:.0f}", "+inf"))
+
+    def activity(self) -> dict[str, FleetActivity]:
+        """Per domain (by its :func:`.redis_schema.key_tag`), the fleet's activity, from the
+        workers' reports (see :mod:`.activity`)."""
         reports = list(self._client.scan_iter(report_pattern(self._prefix), count=SCAN_COUNT))
         pipeline = self._client.pipeline(transaction=False)
         pipeline.hgetall(parked_counts_key(self._prefix))
         for report in reports:
             pipeline.get(report)
         parked, *replies = pipeline.execute()
-        totals: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0])
+        totals: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
         for domain, count in parked.items():
             # A parked request taken back before its park was reported counts -1 for a while.
             waiting = self._read(f"parked count {count!r:.60}", _count, count, absent=0, least=0)
-            totals[key_tag(_text(domain))][1] += max(0, waiting)
+            totals[key_tag(_text(domain))][2] += max(0, waiting)
         for report, reply in zip(reports, replies, strict=True):
             what = f"worker report {_text(report)!r:.100}"
             entries: list[tuple[str, int, int]] = self._read(what, _report, reply, absent=[])
@@ -222,7 +249,7 @@ class LiveControl:
                 total = totals[key_tag(domain)]
                 total[0] += went
                 total[1] += held
-        return {tag: (went, waiting) for tag, (went, waiting) in totals.items()}
+        return {tag: FleetActivity(*counts) for tag, counts in totals.items()}
 
     def _read(
         self, what: str, parse: Callable[..., _T], value: Any, absent: _T, **options: Any

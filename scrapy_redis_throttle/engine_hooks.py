@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
     from .clock import Clock
     from .config import ThrottleConfig
+    from .metrics import ThrottleMetrics
     from .parking import Unreserve
     from .rejections import Rejections
     from .resilience import ResilientBucket
@@ -56,6 +57,7 @@ def attach_parking(
     rejections: Rejections,
     clock: Clock,
     bucket: ResilientBucket,
+    metrics: ThrottleMetrics,
 ) -> ParkingArea | None:
     """A parking area attached to the scheduler the engine runs (None: there is none, or it
     could not be attached; waiting requests are then held in the downloader, and a WARNING
@@ -70,7 +72,9 @@ def attach_parking(
         )
         return None
     try:
-        return attach(crawler, config, scheduler, rejections, clock, bucket.unreserve, bucket.seals)
+        return attach(
+            crawler, config, scheduler, rejections, clock, bucket.unreserve, bucket.seals, metrics
+        )
     except Exception:
         # Without parking the throttle still works: the rest of the start must happen.
         logger.exception(
@@ -100,6 +104,7 @@ def attach(
     clock: Clock,
     unreserve: Unreserve | None = None,
     seals: Seals | None = None,
+    metrics: ThrottleMetrics | None = None,
 ) -> ParkingArea:
     """Attach a parking area to the engine's *scheduler*, whatever its class: a
     :class:`.ParkingScheduler` (the add-on's) parks with it; any other is made to decide as one
@@ -136,6 +141,7 @@ def attach(
             concurrency=crawl.concurrent_requests,
             clock=clock,
             unreserve=unreserve,
+            metrics=metrics,
         )
     else:
         enqueue = scheduler.enqueue_request
@@ -153,6 +159,7 @@ def attach(
             concurrency=crawl.concurrent_requests,
             clock=clock,
             unreserve=unreserve,
+            metrics=metrics,
         )
     if composed is None:
         composed = bind_parking(scheduler)

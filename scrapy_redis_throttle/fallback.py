@@ -54,6 +54,8 @@ class Grant:
     handover: bool = False
     """A wait for this worker's share right after an outage (see
     :meth:`Fallback.handover_wait`)."""
+    unthrottled: bool = False
+    """Let go by the ``"open"`` policy, unthrottled."""
 
 
 class Fallback:
@@ -99,7 +101,7 @@ class Fallback:
             return self.paced_alone(domain, limit, cost, others)
         if policy == FALLBACK_OPEN:
             self._stats.inc_value(f"{STATS_PREFIX}/fallback/open")
-            return Grant(_ALLOWED, shared=False)
+            return Grant(_ALLOWED, shared=False, unthrottled=True)
         return None
 
     def paced_alone(

@@ -10,12 +10,14 @@ reference (``docs/reference/settings.rst``); its meta keys in ``docs/reference/m
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from scrapy import signals
 from scrapy.utils.asyncio import is_asyncio_available
+from scrapy.utils.httpobj import urlparse_cached
 
 from .activity import Activity
 from .budgets import Budgets
@@ -26,11 +28,13 @@ from .crawl_delay import CrawlDelays
 from .domains import Domains
 from .engine_hooks import attach_parking
 from .errors import ThrottleConfigError
+from .metrics import CANCELED, REJECTED, UNTHROTTLED, ThrottleMetrics, WorkerState
+from .metrics_endpoint import MetricsEndpoint, WorkerCollector
 from .penalties import Pauses
 from .pushback import Pushback
 from .redis_schema import penalty_channel
 from .rejections import Rejections
-from .resilience import ResilientBucket
+from .resilience import ResilientBucket, redis_error_stat
 from .startup import announce
 from .tickets import TICKET_META
 from .waiting import WENT, Turns
@@ -79,6 +83,20 @@ class RedisThrottleMiddleware:
             self.clock,
             fleet_size=lambda: self.activity.fleet_size,
         )
+        self.metrics = ThrottleMetrics(
+            self.config.metrics.on,
+            self.config.metrics.max_domains,
+            WorkerState(
+                fallback_active=lambda: self.bucket.breaker.open_for() is not None,
+                fleet_workers=lambda: self.activity.fleet_size,
+                redis_errors=self._redis_errors,
+            ),
+        )
+        if self.config.metrics.otel:
+            from .otel import instrument
+
+            instrument(self.metrics)
+        self.metrics_endpoint: MetricsEndpoint | None = None
         self.parking: ParkingArea | None = None
         self.rejections = Rejections(crawler.stats, self._log_extra)
         self.domains = Domains(
@@ -109,6 +127,7 @@ class RedisThrottleMiddleware:
             self.pauses,
             self.activity,
             crawler.stats,
+            self.metrics,
             self._log_extra,
             self.clock,
         )
@@ -119,6 +138,7 @@ class RedisThrottleMiddleware:
             self.pauses,
             self.rejections,
             crawler.stats,
+            self.metrics,
             self._log_extra,
             self.clock,
         )
@@ -131,16 +151,19 @@ class RedisThrottleMiddleware:
 
     async def _spider_opened(self, spider: Spider) -> None:
         self.parking = attach_parking(
-            self.crawler, self.config, self.rejections, self.clock, self.bucket
+            self.crawler, self.config, self.rejections, self.clock, self.bucket, self.metrics
         )
         await self.bucket.check()
         # Pauses, decreases of adaptive rates and limits changed live void reservations.
         await self.pauses.start()
         # Counts this worker in the fleet before the first request: the "local" policy's share.
         await self.activity.start()
+        self._serve_metrics()
         announce(self, spider)
 
     async def _spider_closed(self, spider: Spider) -> None:
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.close()
         self.domains.close()
         await self.pauses.stop()
         await self.activity.stop()
@@ -151,21 +174,76 @@ class RedisThrottleMiddleware:
         if self.parking is not None:
             self.parking.void(domain, heard, until)
 
+    def _serve_metrics(self) -> None:
+        """Start the ``/metrics`` endpoint, if ``REDIS_THROTTLE_METRICS_PORT`` is set; without
+        a free port the crawl goes on without it (an ERROR says so)."""
+        settings = self.config.metrics
+        if settings.ports is None:
+            return
+        try:
+            self.metrics_endpoint = MetricsEndpoint.start(
+                WorkerCollector(self.metrics.snapshot), settings.host, settings.ports
+            )
+        except OSError as error:
+            low, high = settings.ports
+            logger.error(
+                "Redis throttle: no metrics endpoint: REDIS_THROTTLE_METRICS_PORT %(ports)s has "
+                "no free port on %(host)r (%(error)s)",
+                {
+                    "ports": low if low == high else f"{low}-{high}",
+                    "host": settings.host,
+                    "error": error,
+                },
+                extra=self._log_extra(),
+            )
+            return
+        logger.info(
+            "Redis throttle: metrics at http://%(host)s:%(port)d/metrics",
+            {"host": self.metrics_endpoint.host, "port": self.metrics_endpoint.port},
+            extra=self._log_extra(),
+        )
+
+    def _redis_errors(self) -> dict[str, int]:
+        """Failed Redis calls by exception, from the stats (see :mod:`.resilience`)."""
+        prefix = redis_error_stat("")
+        return {
+            key[len(prefix) :]: int(value)
+            for key, value in list(self.stats.get_stats().items())
+            if key.startswith(prefix)
+        }
+
     def _log_extra(self) -> dict[str, Any]:
         return {"spider": self.crawler.spider}
 
     async def process_request(self, request: Request) -> Request | None:
+        try:
+            return await self._turn(request)
+        except asyncio.CancelledError:
+            self.metrics.request(self._domain_of(request), CANCELED)
+            raise
+        except Exception:
+            self.metrics.request(self._domain_of(request), REJECTED)
+            raise
+
+    def _domain_of(self, request: Request) -> str:
+        """The domain *request* counts under in the metrics: its budget's, else its host (a
+        request failed before its domain was known, or with ``dont_redis_throttle``)."""
+        return self.budgets.domain_of(request) or urlparse_cached(request).hostname or ""
+
+    async def _turn(self, request: Request) -> Request | None:
         may_park, ticket = (
             (False, None) if self.parking is None else self.parking.handoff.handed_out(request)
         )
         if request.meta.get("dont_redis_throttle"):
             self.stats.inc_value(f"{STATS_PREFIX}/skipped")
+            self.metrics.request(self._domain_of(request), UNTHROTTLED)
             return None
         budget = await self.budgets.of(request)
         if ticket is not None:
             self.activity.park(ticket.domain, -1)  # back from the parking area
         if budget is None:
             self.stats.inc_value(f"{STATS_PREFIX}/unthrottled")
+            self.metrics.request(self._domain_of(request), UNTHROTTLED)
             return None
         others = budget.other_names
         if ticket is not None and (

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,7 @@ from .clock import sleep_or_wake
 from .config import STATS_PREFIX
 from .handoff import Handoff
 from .leases import LEASE_META, Leases
+from .metrics import OTHER
 from .redis_parking import ParkUncertain
 from .request_codec import Unparkable
 from .tickets import TICKET_META, Ticket, Unused, unused_reservation
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
 
     from .bucket import Reservation, Unreserved
     from .clock import Clock
+    from .metrics import ThrottleMetrics
     from .parking_stores import ParkingStore
 
     Unreserve = Callable[[str, list[Reservation]], Awaitable[Unreserved | None]]
@@ -83,8 +86,10 @@ class ParkingArea:
         concurrency: int,
         clock: Clock,
         unreserve: Unreserve | None = None,
+        metrics: ThrottleMetrics | None = None,
     ) -> None:
         self._clock = clock
+        self._metrics = metrics
         self.store = store
         # With scrapy-redis's queue: what this worker takes from Redis is leased.
         self.leases: Leases | None = getattr(store, "leases", None)
@@ -277,7 +282,7 @@ class ParkingArea:
             logger.exception("Redis throttle: the parking area's release loop failed")
         if self._parking_tasks:
             await asyncio.gather(*self._parking_tasks, return_exceptions=True)
-        lost = 0
+        lost: Counter[str] = Counter()
         unused: list[Unused] = []
         # Given back but not yet taken by the engine: park them again, due at once, to ask
         # anew (their moments are too close to wait parked for).
@@ -289,19 +294,25 @@ class ParkingArea:
             try:
                 await self._park_leased(request, again, request.meta.pop(LEASE_META, None))
             except Unparkable:  # (waiting in the downloader, it was counted and logged)
-                lost += 1
+                lost[ticket.domain] += 1
             except Exception:
                 logger.exception("Redis throttle: could not park %s again at the close", request)
-                lost += 1
+                lost[ticket.domain] += 1
         try:
-            parked, dropped = await self.store.close(self._keep)
+            parked, dropped, dropped_from = await self.store.close(self._keep)
         except Exception:
             logger.exception("Redis throttle: could not close the parking area")
-            parked, dropped = 0, []
+            parked, dropped, dropped_from = 0, [], {}
         await give_back_reservations([*unused, *dropped], self._unreserve, self._crawler.stats)
         if self._keep and parked:
             logger.info("Redis throttle: %d parked requests are kept for the next run", parked)
-        not_crawled = lost + (0 if self._keep else parked)
+        if not self._keep:
+            lost.update(dropped_from)
+            lost[OTHER] += parked - sum(dropped_from.values())  # those whose domain is unknown
+        lost = +lost
+        if self._metrics is not None:
+            self._metrics.canceled(lost)
+        not_crawled = lost.total()
         if not_crawled:
             self._crawler.stats.set_value(f"{STATS_PREFIX}/parked_not_crawled", not_crawled)
             logger.warning(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import Counter
 from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
@@ -26,6 +27,8 @@ class Closed(NamedTuple):
     """Requests parked."""
     dropped: list[Unused]
     """The reservations of those dropped: to give back."""
+    dropped_from: dict[str, int]
+    """The requests dropped, by domain (where the store could read it)."""
 
 
 Parked = tuple["Request", Ticket]
@@ -126,8 +129,8 @@ class MemoryParking:
         if keep and self._keep_into is not None:
             for _, _, request, _ in entries:
                 self._keep_into(request)
-            return Closed(len(entries), [])
+            return Closed(len(entries), [], {})
         dropped = [
             unused for *_, ticket in entries if (unused := unused_reservation(ticket)) is not None
         ]
-        return Closed(len(entries), dropped)
+        return Closed(len(entries), dropped, dict(Counter(ticket.domain for *_, ticket in entries)))

@@ -14,6 +14,7 @@ from twisted.internet.error import TCPTimedOutError
 from twisted.internet.error import TimeoutError as TwistedTimeoutError
 
 from .config import STATS_PREFIX
+from .metrics import RETRY_AFTER
 from .penalties import parse_retry_after
 from .rates import format_rate
 from .waiting import SENT_META
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from .budgets import Budgets
     from .clock import Clock
     from .config import ThrottleConfig
+    from .metrics import ThrottleMetrics
     from .penalties import Pauses
     from .rates import Limit
     from .rejections import Rejections
@@ -54,9 +56,11 @@ class Pushback:
         pauses: Pauses,
         rejections: Rejections,
         stats: StatsCollector,
+        metrics: ThrottleMetrics,
         log_extra: Callable[[], dict[str, Any]],
         clock: Clock,
     ) -> None:
+        self._metrics = metrics
         self._config = config
         self._budgets = budgets
         self._bucket = bucket
@@ -82,12 +86,14 @@ class Pushback:
         except ValueError as error:
             self._rejections.reject("retry_after", domain, str(error), "paused as without one")
             retry_after = None
+        reason = str(response.status) if retry_after is None else RETRY_AFTER
         penalty = await self._bucket.penalize(domain, limit, retry_after)
         backoff = self._config.backoff
         source = _source(request, domain)
         if penalty is None:  # Redis is unavailable: this worker pauses alone
             pause = min(backoff.longest, backoff.first if retry_after is None else retry_after)
             self._pauses.pause(domain, pause)
+            self._metrics.paused(domain, reason)
             logger.warning(
                 "Redis throttle: %(status)d from %(source)s: pausing it for %(pause).1f s in this "
                 "worker only (Redis is unavailable)",
@@ -104,6 +110,7 @@ class Pushback:
             )
             return response
         self._stats.inc_value(f"{STATS_PREFIX}/pauses")
+        self._metrics.paused(domain, reason)
         self._stats.max_value(f"{STATS_PREFIX}/pause_max", penalty.pause)
         logger.info(
             "Redis throttle: %(status)d from %(source)s (%(why)s): no request to it for "

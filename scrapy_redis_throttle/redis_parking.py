@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections import Counter
 from dataclasses import replace
 from typing import TYPE_CHECKING, cast
 
@@ -219,28 +220,31 @@ class RedisParking:
                 await self.leases.close(keep)
             parked = int(await self._redis.zcard(self.key))
             if keep or not parked:
-                return Closed(parked, [])
-            return Closed(parked, await self._drop())
+                return Closed(parked, [], {})
+            return Closed(parked, *await self._drop())
         finally:
             for script in (self._park_script, self._unpark_script, self._void_script):
                 await script.aclose()
             await self._redis.aclose(close_connection_pool=True)
 
-    async def _drop(self) -> list[Unused]:
+    async def _drop(self) -> tuple[list[Unused], dict[str, int]]:
         """Drop what is parked; return the reservations of the first :data:`DROPPED_READ`
-        dropped requests. Those are taken out one batch at a time (ZPOPMIN), out of the others'
-        reach: a request another worker takes meanwhile goes at its moment, and must not be
-        given back."""
+        dropped requests, and their domains. Those are taken out one batch at a time
+        (ZPOPMIN), out of the others' reach: a request another worker takes meanwhile goes at
+        its moment, and must not be given back."""
         unused = []
+        domains: Counter[str] = Counter()
         for _ in range(0, DROPPED_READ, DROPPED_BATCH):
             popped = cast(
                 "list[tuple[bytes, float]]", await self._redis.zpopmin(self.key, DROPPED_BATCH)
             )
             unused += [found for member, _ in popped if (found := self._reserved_in(member))]
+            domains.update(_member_domain(member) for member, _ in popped)
             if len(popped) < DROPPED_BATCH:
                 break
         await self._redis.delete(self.key, self.index_key)
-        return unused
+        domains.pop("", None)  # members of another form, or of a domain too long to index
+        return unused, dict(domains)
 
     def _reserved_in(self, member: bytes) -> Unused | None:
         """The reservation a member of the parking set holds (None: none, or not a member a
@@ -298,6 +302,14 @@ def read_member(member: bytes) -> tuple[bytes, str, bytes]:
         raise ValueError("not of the form park.lua writes")
     end = 38 + int(length)
     return flag, member[38:end].decode("utf-8", "surrogatepass"), member[end + 16 :]
+
+
+def _member_domain(member: bytes) -> str:
+    """The domain of a member of the parking set ("": unknown)."""
+    try:
+        return read_member(member)[1]
+    except ValueError:
+        return ""
 
 
 def _is_hex(data: bytes) -> bool:

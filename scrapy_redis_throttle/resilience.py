@@ -53,6 +53,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
+def redis_error_stat(error: str) -> str:
+    """The stat that counts the failed Redis calls that raised *error* (an exception's name)."""
+    return f"{STATS_PREFIX}/redis_errors/{error}"
+
+
 _T = TypeVar("_T")
 
 # The first probe of a failed Redis; later ones back off up to REDIS_THROTTLE_PROBE_INTERVAL.
@@ -335,7 +341,7 @@ class ResilientBucket:
         return result
 
     def _failed(self, exc: RedisError) -> None:
-        self._stats.inc_value(f"{STATS_PREFIX}/redis_errors/{type(exc).__name__}")
+        self._stats.inc_value(redis_error_stat(type(exc).__name__))
         if not self.breaker.failed():
             return
         self._openings += 1
@@ -361,7 +367,7 @@ class ResilientBucket:
                 # would tell it the moments this worker saw reserved, lost (see lost()).
                 await self.check_state()
             except RedisError as exc:
-                self._stats.inc_value(f"{STATS_PREFIX}/redis_errors/{type(exc).__name__}")
+                self._stats.inc_value(redis_error_stat(type(exc).__name__))
                 continue
             self._succeeded()
 

@@ -9,6 +9,7 @@ import random
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .config import FALLBACK_WAIT, STATS_PREFIX
+from .metrics import ACQUIRED, PAUSED_LIVE, UNTHROTTLED
 from .parking import RELEASE_AHEAD
 from .tickets import Ticket
 
@@ -19,11 +20,12 @@ if TYPE_CHECKING:
     from scrapy.statscollectors import StatsCollector
 
     from .activity import Activity
-    from .bucket import Voiding
+    from .bucket import Reservation, Voiding
     from .budgets import Budget, RequestBudget
     from .clock import Clock
     from .config import ThrottleConfig
     from .fallback import Grant
+    from .metrics import ThrottleMetrics
     from .penalties import Pauses
     from .rates import Limit
     from .server_clock import ServerClock
@@ -75,6 +77,7 @@ class Turns:
         pauses: Pauses,
         activity: Activity,
         stats: StatsCollector,
+        metrics: ThrottleMetrics,
         log_extra: Callable[[], dict[str, Any]],
         clock: Clock,
     ) -> None:
@@ -84,6 +87,7 @@ class Turns:
         self._pauses = pauses
         self._activity = activity
         self._stats = stats
+        self._metrics = metrics
         self._log_extra = log_extra
 
     async def take(
@@ -93,7 +97,7 @@ class Turns:
         ticket to park it with (only if it *may_park*). *ticket*: the request is back from the
         parking area with it."""
         domain, limit, others = budget.domain, budget.limit, budget.others
-        with self._activity.holding(domain):
+        with self._activity.holding(domain), self._metrics.holding(domain):
             stats = self._stats
             # Its wait counts from its first turn, before it was parked.
             since = self._clock.wall() if ticket is None else ticket.waiting_since
@@ -110,7 +114,7 @@ class Turns:
                     ticket.locally,
                 )
             ):
-                self._went(request, domain, since, delayed=True)
+                self._went(request, budget, since, True, ticket.reservation)
                 return WENT
             delayed = ticket is not None
             while True:
@@ -130,10 +134,11 @@ class Turns:
                         # Read too late to go now (see MISSED_AFTER): its token is spent.
                         delayed = True
                         continue
-                    self._went(request, domain, since, delayed)
+                    self._went(request, budget, since, delayed, None, grant.unthrottled)
                     return WENT
                 if result.paused and grant.shared:
                     stats.inc_value(f"{STATS_PREFIX}/paused_live")
+                    self._metrics.paused(domain, PAUSED_LIVE)
                 if may_park and result.retry_after > self._config.max_hold:
                     return self._park(request, domain, limit, grant, asked_at, since)
                 if grant.handover:
@@ -162,7 +167,7 @@ class Turns:
                     if await self._hold_until(
                         domain, moment, moment_us, asked_at, local=not grant.shared
                     ):
-                        self._went(request, domain, since, delayed)
+                        self._went(request, budget, since, delayed, result.reservation)
                         return WENT
                     continue
                 if result.paused:
@@ -253,18 +258,37 @@ class Turns:
             return False
         return True
 
-    def _went(self, request: Request, domain: str, since: float, delayed: bool) -> None:
-        """Count a request that leaves for the download, first seen at *since* (wall time)."""
+    def _went(
+        self,
+        request: Request,
+        budget: RequestBudget,
+        since: float,
+        delayed: bool,
+        reservation: Reservation | None,
+        unthrottled: bool = False,
+    ) -> None:
+        """Count a request that leaves for the download, first seen at *since* (wall time),
+        at the moment of its *reservation* if it had one in Redis; *unthrottled*: let go by
+        the ``"open"`` policy."""
         stats = self._stats
+        domain = budget.domain
         self._activity.went(domain)
         if self._config.adaptive is not None:
             request.meta[SENT_META] = self._clock.monotonic()
         stats.inc_value(f"{STATS_PREFIX}/requests")
+        # Wall time: a parked request may have been first seen in another process.
+        waited = max(0.0, self._clock.wall() - since)
+        self._metrics.went(
+            domain,
+            UNTHROTTLED if unthrottled else ACQUIRED,
+            waited,
+            budget.limit.sustained_rate,
+            # The µs its tokens added to the bucket: the interval in force, times the cost.
+            budget.cost * 1e6 / reservation.step if reservation and reservation.step else None,
+        )
         if not delayed:
             stats.inc_value(f"{STATS_PREFIX}/allowed_immediately")
             return
-        # Wall time: a parked request may have been first seen in another process.
-        waited = max(0.0, self._clock.wall() - since)
         stats.inc_value(f"{STATS_PREFIX}/delayed")
         total_key = f"{STATS_PREFIX}/wait_time_total"
         stats.set_value(total_key, stats.get_value(total_key, 0.0) + waited)

@@ -7,7 +7,8 @@ with what the benchmarks measure added: ``worker/download_seconds`` and
 ``worker/download_cpu_seconds``, the time and this process's CPU time from the first response
 to the last (start-up and imports left out), and ``worker/gc_freeze_count``, the objects left
 frozen out of the garbage collector at the end. With ``"loop_probe": true`` in the JSON, also
-``worker/loop_stalls`` and ``worker/loop_stall_max_ms`` (see :class:`LoopProbe`). The settings
+``worker/loop_stalls`` and ``worker/loop_stall_max_ms`` (see :class:`LoopProbe`); with
+``"scrape_metrics": true``, ``worker/metrics``, the text of its ``/metrics`` at its last idle. The settings
 are the test's (from ``spiders.BASE_SETTINGS``, or with ``releases.EXTENSION`` among them):
 ``test/released`` and ``test/missed`` tell what the throttle did per domain.
 """
@@ -20,6 +21,7 @@ import json
 import sys
 import time
 
+from metrics_scrape import scrape
 from scrapy import signals
 from scrapy.crawler import AsyncCrawlerProcess, CrawlerProcess
 from spiders import UrlListSpider
@@ -72,6 +74,13 @@ def main() -> None:
         responses.append((time.perf_counter(), time.process_time()))
 
     crawler.signals.connect(received, signal=signals.response_received)
+    scrapes: list[str] = []
+    if job.get("scrape_metrics"):
+
+        def idle() -> None:
+            scrapes.append(scrape(crawler))
+
+        crawler.signals.connect(idle, signal=signals.spider_idle)
     probe = LoopProbe() if job.get("loop_probe") else None
     if probe is not None:
         crawler.signals.connect(probe.start, signal=signals.response_received)
@@ -84,6 +93,7 @@ def main() -> None:
         "worker/download_cpu_seconds": last[1] - first[1],
         "worker/gc_freeze_count": gc.get_freeze_count(),
         **(probe.stats() if probe is not None else {}),
+        **({"worker/metrics": scrapes[-1]} if scrapes else {}),
     }
     print("STATS " + json.dumps(stats, default=str), flush=True)
 

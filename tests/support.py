@@ -68,12 +68,10 @@ SCRAPY_REDIS = {
 }
 
 
-def documented_acl_rules() -> list[str]:
-    """The rules of the docs' ``ACL SETUSER throttle-worker on >password ...`` line."""
-    match = re.search(
-        r"^ *ACL SETUSER throttle-worker on >\S+ (.+)$", SECURITY_DOCS.read_text(), re.M
-    )
-    assert match, f"{SECURITY_DOCS} documents no ACL SETUSER throttle-worker line"
+def documented_acl_rules(user: str = "throttle-worker") -> list[str]:
+    """The rules of the docs' ``ACL SETUSER <user> on >password ...`` line."""
+    match = re.search(rf"^ *ACL SETUSER {user} on >\S+ (.+)$", SECURITY_DOCS.read_text(), re.M)
+    assert match, f"{SECURITY_DOCS} documents no ACL SETUSER {user} line"
     return match[1].split()
 
 

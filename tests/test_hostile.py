@@ -387,7 +387,7 @@ def test_the_tool_shows_what_it_can_read_and_names_what_it_cannot(
     assert "Traceback" not in status.stderr
     rows = {line.split()[0]: line for line in status.stdout.splitlines()}
     assert "2/s (burst 3)" in rows["good.example"]
-    assert rows["good.example"].split()[-4:-2] == ["4", "1"], "w4 alone: 4 went, 1 held"
+    assert rows["good.example"].split()[-5:-2] == ["4", "1/15s", "1"], "w4 alone: 4 went, 1 held"
     problems = [line for line in status.stdout.splitlines() if "unreadable in Redis" in line]
     named = " ".join(problems)
     for domain in GARBAGE:
@@ -676,7 +676,7 @@ async def test_a_close_gives_back_only_the_reservations_the_fleet_sealed(
         altered = parked_member(flag, key, json.dumps(fields).encode())
         client.zadd("drop:parked", {altered[:1] + genuine[1:33] + altered[33:]: 0})
     closed = await store.close(keep=False)
-    assert closed == (2, [(A, reservation)])
+    assert closed == (2, [(A, reservation)], {A: 2})
 
 
 @pytest.mark.parametrize("adaptive", [b"nan 0 0 5", b"-1 0 0 5", b"x y z 5", b"0 0 0 5"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ import redis
 from conftest import EXAMPLE_PROJECT
 from demo_site import HOSTS, DemoSite
 from local_redis import RedisServer
+from metrics_scrape import Samples, fetch, samples, value
 from scrapy.crawler import CrawlerRunner
 from scrapy.utils.defer import maybe_deferred_to_future
 from spiders import UrlListSpider
@@ -191,7 +193,7 @@ def test_the_command_line_tool(redis_server: RedisServer, tmp_path: Path) -> Non
         (["resume", "shop.example"], "shop.example: 2/s (burst 3)\n"),
         (["delete", "shop.example"], "shop.example: the workers' own limit\n"),
         (["list"], "No domain has a limit set live.\n"),
-        (["status"], "No active domain.\n"),
+        (["status"], "0 workers live\nNo active domain.\n"),
     ]
     for args, output in steps:
         done = tool(*url, *args, cwd=tmp_path)  # outside any Scrapy project
@@ -207,7 +209,8 @@ def test_status_shows_the_active_domains_with_the_project_limits(
         control.pause("127.0.0.4")
     done = tool("--redis-url", redis_server.url, "--spider", "shop", "status", cwd=EXAMPLE_PROJECT)
     assert done.returncode == 0, done.stderr
-    lines = [line.split("  ") for line in done.stdout.splitlines()]
+    live, *lines = [line.split("  ") for line in done.stdout.splitlines()]
+    assert live == ["0 workers live"]
     cells = [[cell.strip() for cell in line if cell.strip()] for line in lines]
     assert cells == [
         [
@@ -217,11 +220,12 @@ def test_status_shows_the_active_domains_with_the_project_limits(
             "tokens left",
             "full in",
             "last minute",
+            "achieved",
             "waiting",
             "penalty pause",
             "adaptive",
         ],
-        ["127.0.0.3", "1/s (workers' burst)", "live", "3.0", "0.0 s", "0", "0", "-", "-"],
+        ["127.0.0.3", "1/s (workers' burst)", "live", "3.0", "0.0 s", "0", "-", "0", "-", "-"],
         [
             "127.0.0.4",
             "workers' rate (workers' burst), PAUSED",
@@ -229,6 +233,7 @@ def test_status_shows_the_active_domains_with_the_project_limits(
             "1.0",
             "0.0 s",
             "0",
+            "-",
             "0",
             "-",
             "-",
@@ -273,6 +278,7 @@ def test_the_tool_prints_json_for_machines(redis_server: RedisServer) -> None:
         "tokens_left": 2.0,
         "full_in": 0.0,
         "last_minute": 0,
+        "achieved_rate": 0.0,
         "waiting": 0,
         "penalty_pause": 0.0,
         "strikes": 0,
@@ -281,6 +287,7 @@ def test_the_tool_prints_json_for_machines(redis_server: RedisServer) -> None:
     status = printed("status", "--top", "1")
     assert [row["domain"] for row in status["domains"]] == ["127.0.0.3"]
     assert status["more"] == 1
+    assert status["workers"] == 0
     assert status["unreadable"] == []
 
 
@@ -381,3 +388,62 @@ async def test_a_crawl_waits_while_its_domain_is_paused_live(
     assert len(arrivals) == 5
     assert min(released(stats.get_stats(), A)) > resumed
     assert_released_paced(stats.get_stats(), arrivals, 10, 1, A)
+
+
+def test_the_exporter_and_status_show_a_running_fleet(
+    redis_server: RedisServer, site: DemoSite
+) -> None:
+    """Two workers crawl A at 5/s while ``exporter`` serves the fleet's state and ``status``
+    reads it: both count the two workers live and A's achieved rate, and the exporter a limit
+    set live on B."""
+    with redis_server.client() as client:
+        LiveControl(client, "redis_throttle").set(B, 3, None)
+    settings = crawl_settings(redis_server.url, REDIS_THROTTLE_REPORT_INTERVAL=0.5)
+    workers = start_crawl_workers(
+        redis_server.url, one_domain_jobs(site, A, settings, {A: "5/s"}, 2, 15)
+    )
+    exporter = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "scrapy_redis_throttle.cli",
+            "--redis-url",
+            redis_server.url,
+            "exporter",
+            "--port",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert exporter.stdout is not None
+        url = exporter.stdout.readline().split(" at ")[-1].strip()
+        assert url.endswith("/metrics"), url
+        scraped: list[Samples] = []
+
+        def fleet_seen() -> bool:
+            scraped.append(samples(fetch(url)))
+            return (
+                value(scraped[-1], "scrapy_redis_throttle_fleet_workers") == 2
+                and value(scraped[-1], "scrapy_redis_throttle_achieved_rate", domain=A) > 0
+            )
+
+        wait_until(fleet_seen, 30, "the exporter's view of two workers sending to A")
+        last = scraped[-1]
+        assert value(last, "scrapy_redis_throttle_exporter_redis_up") == 1
+        assert value(last, "scrapy_redis_throttle_live_rate", domain=B) == 3
+        assert value(last, "scrapy_redis_throttle_paused_live", domain=B) == 0
+        done = tool("--redis-url", redis_server.url, "status", "--json")
+        assert done.returncode == 0, done.stderr
+        status = json.loads(done.stdout)
+        assert status["workers"] == 2
+        [a] = [row for row in status["domains"] if row["domain"] == A]
+        assert a["achieved_rate"] == a["last_minute"] / 60 > 0
+    finally:
+        exporter.send_signal(signal.SIGINT)
+        _, errors = exporter.communicate(timeout=30)
+    assert exporter.returncode == 0, errors
+    finish_crawl_workers(workers, 60)
+    assert len(site.arrivals(A)) == 30

@@ -32,7 +32,7 @@ from support import (
 
 from scrapy_redis_throttle import bucket as bucket_module
 from scrapy_redis_throttle.cli import EXIT_BAD_INPUT
-from scrapy_redis_throttle.control import LiveControl
+from scrapy_redis_throttle.control import FleetActivity, LiveControl
 from scrapy_redis_throttle.rates import Limit, parse_limit
 from scrapy_redis_throttle.redis_schema import (
     EPOCH,
@@ -403,12 +403,12 @@ async def test_the_workers_report_what_they_do(redis_server: RedisServer, site: 
     minute and those waiting; the report goes when the crawl ends."""
     client = redis.Redis.from_url(redis_server.url)
     control = LiveControl(client, "redis_throttle")
-    seen: list[dict[str, tuple[int, int]]] = []
+    seen: list[dict[str, FleetActivity]] = []
 
     def busy() -> bool:
         seen.append(control.activity())
-        went, waiting = seen[-1].get(A, (0, 0))
-        return went >= 2 and waiting >= 2
+        activity = seen[-1].get(A, FleetActivity(0, 0, 0))
+        return activity.went >= 2 and activity.waiting >= 2
 
     crawl = asyncio.ensure_future(
         run_crawl(
@@ -432,8 +432,8 @@ async def test_parked_requests_count_as_waiting_until_they_come_back(
     control = LiveControl(client, "redis_throttle")
 
     def some_parked() -> bool:
-        _, waiting = control.activity().get(A, (0, 0))
-        return int(client.hget(parked, A) or 0) >= 2 and waiting >= 2
+        activity = control.activity().get(A, FleetActivity(0, 0, 0))
+        return int(client.hget(parked, A) or 0) >= 2 and activity.parked >= 2
 
     settings = crawl_settings(
         redis_server.url,
@@ -478,13 +478,14 @@ def test_status_shows_the_fleets_activity(redis_server: RedisServer) -> None:
         def shown() -> bool:
             lines[:] = tool(redis_server.url, "status").stdout.splitlines()
             rows = [line for line in lines if line.startswith(A)]
-            # domain, limit..., tokens left, full in ("x.x s"), last minute, waiting, ...
-            match = re.search(r" s\s+(\d+)\s+(\d+)\s", rows[0]) if rows else None
-            return match is not None and int(match[1]) >= 2 and int(match[2]) >= 4
+            # domain, limit..., tokens left, full in ("x.x s"), last minute, achieved, waiting,
+            match = re.search(r" s\s+(\d+)\s+(\S+)\s+(\d+)\s", rows[0]) if rows else None
+            return match is not None and int(match[1]) >= 2 and int(match[3]) >= 4
 
         wait_until(shown, 60, "a status row of A with requests gone and waiting")
         finish_crawl_workers(workers, 60)
-    assert "full in  last minute  waiting  penalty pause" in lines[0]
+    assert lines[0] == "2 workers live"
+    assert "full in  last minute  achieved  waiting  penalty pause" in lines[1]
 
 
 @async_test

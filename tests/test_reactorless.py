@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from demo_site import HOSTS, DemoSite
 from local_redis import RedisServer
+from metrics_scrape import REQUESTS, WAITS, samples, value
 from support import (
     achieved_rate,
     assert_released_paced,
@@ -51,6 +52,7 @@ def test_two_reactorless_workers_share_one_budget_and_park(
         TWISTED_REACTOR_ENABLED=False,
         LOG_LEVEL="INFO",
         REDIS_THROTTLE_MAX_HOLD=1.0,
+        REDIS_THROTTLE_METRICS_PORT=0,
         **SCHEDULERS[scheduler],
     )
     jobs = [
@@ -58,6 +60,7 @@ def test_two_reactorless_workers_share_one_budget_and_park(
             "settings": settings,
             "requests": pages(site, A, 10, first=10 * index),
             "spider_attributes": {"redis_throttle_rates": {A: "4/s"}},
+            "scrape_metrics": True,
         }
         for index in range(2)
     ]
@@ -73,3 +76,7 @@ def test_two_reactorless_workers_share_one_budget_and_park(
     assert_released_paced(all_stats, site.arrivals(A), 4, 1, A)
     times = [arrival.time for arrival in site.arrivals(A)]
     assert achieved_rate(times, 1, missed_moments(all_stats, A)) >= 0.9 * 4
+    # Each worker served its /metrics without a reactor: together, what the site saw.
+    scraped = [samples(stats["worker/metrics"]) for stats in all_stats]
+    assert sum(value(s, REQUESTS, domain=A, result="acquired") for s in scraped) == 20
+    assert sum(value(s, WAITS, domain=A) for s in scraped) == 20

@@ -28,6 +28,7 @@ from scrapy_redis_throttle.config import DEFAULT_KEY_PREFIX, ThrottleConfig
 from scrapy_redis_throttle.connection import connect_url
 from scrapy_redis_throttle.control import LiveControl
 from scrapy_redis_throttle.fallback import Grant
+from scrapy_redis_throttle.metrics import ThrottleMetrics
 from scrapy_redis_throttle.penalties import Pauses
 from scrapy_redis_throttle.rates import Limit
 from scrapy_redis_throttle.redis_parking import RedisParking
@@ -368,7 +369,9 @@ async def test_a_parked_moment_reserved_before_redis_restarted_empty_is_not_give
             check_state=other.check_state,
         )
         activity = Activity(client, "ns", 0, stats, dict, Clock())
-        turns = Turns(config, recording, pauses, activity, stats, dict, Clock())
+        turns = Turns(
+            config, recording, pauses, activity, stats, ThrottleMetrics(on=False), dict, Clock()
+        )
         stores = [
             RedisParking(
                 connect_url(redis_server.url, {}, 1),

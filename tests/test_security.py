@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import TYPE_CHECKING
 
 import pytest
+import redis
 from demo_site import HOSTS, DemoSite
 from local_redis import RedisServer
-from support import async_test, crawl_settings, documented_acl_rules, run_crawl
+from metrics_scrape import samples, value
+from prometheus_client import CollectorRegistry, generate_latest
+from support import async_test, crawl_settings, documented_acl_rules, run_crawl, tool
 
-from scrapy_redis_throttle.redis_schema import parked_counts_key
+from scrapy_redis_throttle.control import LiveControl
+from scrapy_redis_throttle.fleet_exporter import FleetCollector
+from scrapy_redis_throttle.redis_schema import fleet_key, parked_counts_key, report_key
 
 if TYPE_CHECKING:
     from scrapy.crawler import Crawler
@@ -206,3 +212,34 @@ async def test_tls(site: DemoSite) -> None:
             redis_throttle_rates={A: "20/s"},
         )
     assert_shared(crawler)
+
+
+def test_the_documented_monitoring_user_reads_the_fleet() -> None:
+    """``status`` and the exporter with the read-only user of the docs: they read everything
+    (a worker's report, a live limit, the fleet), and it may change nothing."""
+    with RedisServer(password="admin-secret") as server:
+        server.add_user(
+            "throttle-monitor", "monitor-secret", *documented_acl_rules("throttle-monitor")
+        )
+        with server.client() as admin:
+            control = LiveControl(admin, "redis_throttle")
+            control.set(A, 3, None)
+            admin.set(report_key("redis_throttle", "w1"), json.dumps({A: [12, 2]}))
+            admin.zadd(fleet_key("redis_throttle"), {"w1": 2**52})
+        url = f"redis://throttle-monitor:monitor-secret@127.0.0.1:{server.port}/0"
+        done = tool("--redis-url", url, "status", "--json")
+        assert done.returncode == 0, done.stderr
+        status = json.loads(done.stdout)
+        assert status["workers"] == 1
+        rows = [(row["domain"], row["last_minute"], row["limit"]) for row in status["domains"]]
+        assert rows == [(A, 12, "3/s (workers' burst)")]
+        with redis.Redis.from_url(url) as monitor:
+            registry = CollectorRegistry(auto_describe=False)
+            registry.register(FleetCollector(LiveControl(monitor, "redis_throttle"), 10, print))
+            found = samples(generate_latest(registry).decode())
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                LiveControl(monitor, "redis_throttle").set(A, 1, None)
+    assert value(found, "scrapy_redis_throttle_exporter_redis_up") == 1
+    assert value(found, "scrapy_redis_throttle_fleet_workers") == 1
+    assert value(found, "scrapy_redis_throttle_achieved_rate", domain=A) == 12 / 60
+    assert value(found, "scrapy_redis_throttle_live_rate", domain=A) == 3

@@ -27,6 +27,7 @@ from scrapy_redis_throttle.clock import Clock
 from scrapy_redis_throttle.config import ThrottleConfig
 from scrapy_redis_throttle.fallback import Grant
 from scrapy_redis_throttle.local_buckets import LocalBuckets
+from scrapy_redis_throttle.metrics import ThrottleMetrics
 from scrapy_redis_throttle.parking import ParkingArea
 from scrapy_redis_throttle.parking_stores import MemoryParking
 from scrapy_redis_throttle.penalties import Pauses
@@ -216,8 +217,16 @@ class Throttle:
             clock=self.clock,
         )
         self.activity = Activity(redis, "ns", 0, self.stats, dict, self.clock)
+        self.metrics = ThrottleMetrics(on=True)
         self.turns = Turns(
-            self.config, self.bucket, self.pauses, self.activity, self.stats, dict, self.clock
+            self.config,
+            self.bucket,
+            self.pauses,
+            self.activity,
+            self.stats,
+            self.metrics,
+            dict,
+            self.clock,
         )
 
     def stat(self, name: str) -> Any:
@@ -338,6 +347,7 @@ class Yard:
         self.kept: list[Request] = []
         self.given_back: list[tuple[str, list[Reservation]]] = []
         self.store = MemoryParking(keep_into or self.kept.append, self.clock)
+        self.metrics = ThrottleMetrics(on=True)
         self.area = ParkingArea(
             self.crawler,  # type: ignore[arg-type]
             self.store,
@@ -345,6 +355,7 @@ class Yard:
             concurrency=concurrency,
             clock=self.clock,
             unreserve=self.unreserve,
+            metrics=self.metrics,
         )
         self.crawler.engine.enqueue = self.area.enqueue_request
         self.scheduled: list[Request] = []

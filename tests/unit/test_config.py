@@ -8,7 +8,7 @@ import pytest
 from scrapy.exceptions import NotConfigured
 from scrapy.settings import Settings
 
-from scrapy_redis_throttle.config import Adaptive, Backoff, ThrottleConfig
+from scrapy_redis_throttle.config import Adaptive, Backoff, ThrottleConfig, needs_extra
 from scrapy_redis_throttle.connection import ClusterClient, connect
 from scrapy_redis_throttle.errors import ThrottleConfigError
 from scrapy_redis_throttle.rates import (
@@ -334,6 +334,16 @@ ADAPTIVE = {"REDIS_THROTTLE_ADAPTIVE_ENABLED": True}
         ({"REDIS_THROTTLE_RATES": {"a.example": {"rate": "1/s", "algorithm": "leaky"}}}, "unknown algorithm 'leaky'; expected one of 'token_bucket', 'fixed_window', 'sliding_window'"),
         ({"REDIS_THROTTLE_RATES": {"a.example": {"rate": "2.5/s", "algorithm": "sliding_window"}}}, "a sliding_window counts whole requests: expected e.g. '10/2s', got '2.5/s'"),
         ({"REDIS_THROTTLE_RATES": {"a.example": {"rate": "5/s", "algorithm": "fixed_window", "burst": 2}}}, "a fixed_window has no burst"),
+        ({"REDIS_THROTTLE_METRICS_PORT": 70000}, "REDIS_THROTTLE_METRICS_PORT must be a port \\(0-65535; 0: any free one\\) or a range \\[low, high\\] of them, got 70000"),
+        ({"REDIS_THROTTLE_METRICS_PORT": [9420, 9410]}, "REDIS_THROTTLE_METRICS_PORT must be a port .* got \\[9420, 9410\\]"),
+        ({"REDIS_THROTTLE_METRICS_PORT": [9410, 9411, 9412]}, "REDIS_THROTTLE_METRICS_PORT must be a port"),
+        ({"REDIS_THROTTLE_METRICS_PORT": True}, "REDIS_THROTTLE_METRICS_PORT must be a port .* got True"),
+        ({"REDIS_THROTTLE_METRICS_PORT": "94x0"}, "REDIS_THROTTLE_METRICS_PORT must be a port .* got '94x0'"),
+        ({"REDIS_THROTTLE_METRICS_PORT": 9410.5}, "REDIS_THROTTLE_METRICS_PORT must be a port .* got 9410.5"),
+        ({"REDIS_THROTTLE_METRICS_HOST": ""}, "REDIS_THROTTLE_METRICS_HOST must be a host name or address, got ''"),
+        ({"REDIS_THROTTLE_METRICS_HOST": 127}, "REDIS_THROTTLE_METRICS_HOST must be a host name or address, got 127"),
+        ({"REDIS_THROTTLE_METRICS_MAX_DOMAINS": 0}, "REDIS_THROTTLE_METRICS_MAX_DOMAINS: the number of domains must be an integer >= 1, got 0"),
+        ({"REDIS_THROTTLE_METRICS_OTEL": "yes please"}, "REDIS_THROTTLE_METRICS_OTEL must be True or False"),
     ],
 )  # fmt: skip
 def test_invalid_settings_name_the_setting_and_value(kwargs: dict[str, Any], message: str) -> None:
@@ -469,3 +479,23 @@ def test_a_bad_scrapy_redis_url_fails_only_the_parking_area_that_needs_it() -> N
     assert "REDIS_URL" in str(config.crawl.queue_redis)
     config = ThrottleConfig.from_settings(Settings({"REDIS_URL": "redis://example:6380/2"}))
     assert config.crawl.queue_redis[0] == "redis://example:6380/2"  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("port", "ports"),
+    [(None, None), (9410, (9410, 9410)), ("9410", (9410, 9410)), (0, (0, 0)), ([9410, 9419], (9410, 9419)), ("9410,9419", (9410, 9419))],
+)  # fmt: skip
+def test_the_metrics_port_is_a_port_or_a_range(port: object, ports: object) -> None:
+    metrics = config(REDIS_THROTTLE_METRICS_PORT=port).metrics
+    assert metrics.ports == ports
+    assert metrics.on == (ports is not None)
+    assert (metrics.host, metrics.max_domains, metrics.otel) == ("127.0.0.1", 100, False)
+
+
+def test_a_setting_that_needs_a_missing_extra_says_what_to_install() -> None:
+    with pytest.raises(
+        ThrottleConfigError,
+        match=r"^REDIS_THROTTLE_METRICS_PORT needs not_installed_here: "
+        r"pip install 'scrapy-redis-throttle\[metrics\]'$",
+    ):
+        needs_extra("REDIS_THROTTLE_METRICS_PORT", "not_installed_here.client", "metrics")

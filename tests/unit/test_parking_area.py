@@ -183,6 +183,7 @@ async def test_at_the_close_without_keep_what_is_parked_is_dropped_and_given_bac
     await yard.clock.advance(0)
     await yard.clock.run(yard.area.stop())
     assert yard.stat("parked_not_crawled") == 4
+    assert yard.metrics.snapshot().series[A].requests == {"canceled": 4}
     assert yard.given_back == [(A, [RESERVATION] * 3)], "the moments reserved go back"
     assert yard.stat("unreserved") == 3
     assert yard.kept == []
@@ -196,6 +197,7 @@ async def test_at_the_close_with_keep_what_is_parked_goes_to_the_scheduler() -> 
     await yard.clock.run(yard.area.stop())
     assert yard.kept == parked
     assert yard.stat("parked_not_crawled") is None
+    assert yard.metrics.snapshot().series == {}, "kept: none canceled"
     assert yard.given_back == []
 
 
