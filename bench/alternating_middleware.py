@@ -3,8 +3,10 @@ bench/crawl_overhead.py).
 
 The requests are taken in chunks of ``BENCH_CHUNK`` (in the order they reach the middleware):
 in an "on" chunk each request goes through the throttle; in an "off" chunk it goes on at once,
-as if the middleware were not there (a coroutine that returns without waiting: a few µs). The
-first chunk is on when ``BENCH_FIRST_ON`` is true. At the close, each chunk's figures are in the
+as if the middleware were not there (a coroutine that returns without waiting: a few µs). With
+``BENCH_ALTERNATE = "metrics"``, every request goes through the throttle, and what is switched
+is the recording of its metrics (:attr:`.ThrottleMetrics.on`). The first chunk is on when
+``BENCH_FIRST_ON`` is true. At the close, each chunk's figures are in the
 stats as ``bench/chunks``: ``[on, CPU µs per request, requests per second]``, measured from the
 chunk's first request to the next chunk's first.
 """
@@ -28,6 +30,7 @@ class AlternatingThrottleMiddleware(RedisThrottleMiddleware):
         super().__init__(crawler)
         self._chunk = crawler.settings.getint("BENCH_CHUNK")
         self._first_on = crawler.settings.getbool("BENCH_FIRST_ON")
+        self._metrics_only = crawler.settings.get("BENCH_ALTERNATE") == "metrics"
         self._seen = 0
         # (on, CPU time, time) at the first request of each chunk
         self._starts: list[tuple[bool, float, float]] = []
@@ -39,7 +42,9 @@ class AlternatingThrottleMiddleware(RedisThrottleMiddleware):
         on = (chunk % 2 == 0) == self._first_on
         if position == 0:
             self._starts.append((on, time.process_time(), time.perf_counter()))
-        if not on:
+        if self._metrics_only:
+            self.metrics.on = on
+        elif not on:
             return None
         return await super().process_request(request)
 

@@ -17,13 +17,15 @@ the "off" chunks just before and after it, a second or so apart; the ratio is th
 these. The table also shows the medians of the chunks' requests per second and of the
 crawler's CPU per request, and the throttle's Redis calls per throttled request (its stats).
 Every other crawl starts with an "on" chunk; the first two chunks of a crawl (start-up) are left
-out.
+out. A fourth set-up measures the metrics (``REDIS_THROTTLE_METRICS_PORT``) the same way: the
+throttle (Redis on loopback) is on all along and serves ``/metrics``, and its metrics are
+recorded in every other chunk; its ratio is the chunks with metrics over those without.
 
 On Linux with two or more CPUs, the crawler has one CPU to itself, and the site, Redis and the
 proxy share the others: as in production, where Redis and the sites run on other machines, what
 the crawler pays is not mixed with what they pay.
 
-Run: ``./run bench crawl_overhead`` (about 4 minutes; ``--pages``, ``--chunk``, ``--rounds``,
+Run: ``./run bench crawl_overhead`` (about 5 minutes; ``--pages``, ``--chunk``, ``--rounds``,
 ``--latency``).
 """
 
@@ -51,6 +53,7 @@ from tcp_proxy import TcpProxy  # noqa: E402
 HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"]
 NEVER_BINDS = 100_000  # requests per second, and burst
 WITHOUT = "without the middleware"
+METRICS = "metrics on, vs off (loopback)"
 
 SETTINGS: dict[str, Any] = {
     "CONCURRENT_REQUESTS": 32,
@@ -94,10 +97,11 @@ WARM_UP_CHUNKS = 2
 
 
 def crawl(
-    urls: list[str], throttle_redis: dict[str, str], chunk: int, first_on: bool
+    urls: list[str], throttle_redis: dict[str, Any], chunk: int, first_on: bool
 ) -> dict[str, Any]:
     """One crawl in a new process, the throttle (its Redis as the settings *throttle_redis*
-    say) switched on and off every *chunk* requests; returns its stats."""
+    say; with ``BENCH_ALTERNATE``, its metrics) switched on and off every *chunk* requests;
+    returns its stats."""
     settings = (
         SETTINGS
         | throttle_redis
@@ -165,6 +169,12 @@ async def measure(pages: int, chunk: int, rounds: int, latency: float) -> list[d
                 "REDIS_THROTTLE_URL": redis_server.url,  # its host and port are not used
                 **cluster.settings(),
             },
+            # Served at /metrics all along; their recording switched on and off.
+            METRICS: {
+                "REDIS_THROTTLE_URL": redis_server.url,
+                "REDIS_THROTTLE_METRICS_PORT": 0,
+                "BENCH_ALTERNATE": "metrics",
+            },
         }
         off: list[list[Any]] = []
         on: dict[str, list[list[Any]]] = {name: [] for name in setups}
@@ -176,7 +186,8 @@ async def measure(pages: int, chunk: int, rounds: int, latency: float) -> list[d
                 for name, throttle_redis in setups.items():
                     stats = crawl(urls, throttle_redis, chunk, first_on=round_number % 2 == 0)
                     chunks = stats["bench/chunks"][WARM_UP_CHUNKS:]
-                    off += [c for c in chunks if not c[0]]
+                    if name != METRICS:
+                        off += [c for c in chunks if not c[0]]
                     on[name] += [c for c in chunks if c[0]]
                     ratios[name] += on_off_ratios(chunks)
                     calls[name].append(
@@ -211,7 +222,8 @@ def main() -> None:
         f"CONCURRENT_REQUESTS 32 (8 per domain), limits of {NEVER_BINDS:,}/s, the middleware\n"
         f"on and off every {args.chunk} requests. ratio: an on chunk's requests/s over its off "
         "neighbours', median (and quartiles)\nof all; requests/s and CPU (the crawler "
-        "process's): medians of the chunks.",
+        f"process's): medians of the chunks. {METRICS!r}: the throttle on all along,\n"
+        "its metrics served, and recorded in every other chunk: the ratio of those chunks.",
     )
 
 

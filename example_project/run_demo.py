@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -194,6 +195,7 @@ def crawl(run: Run, args: argparse.Namespace, redis_url: str) -> dict[str, Arriv
         print(f"\n== {run.name}: {args.workers} workers for {args.duration:g} s ==")
         workers = start_workers(run, args.workers, redis_url, args.output)
         started = time.monotonic()
+        endpoints: list[str] = []
         try:
             last = dict.fromkeys(DEMO_HOSTS, 0)
             while time.monotonic() - started < args.duration:
@@ -208,9 +210,23 @@ def crawl(run: Run, args: argparse.Namespace, redis_url: str) -> dict[str, Arriv
                     flush=True,
                 )
                 last = counts
+                if not endpoints and (endpoints := metrics_endpoints(run, args.output)):
+                    print(
+                        f"  Prometheus can scrape each worker at {', '.join(endpoints)} (and "
+                        "the fleet with `scrapy-redis-throttle exporter --port 9409`)"
+                    )
                 if all(w.poll() is not None for w in workers):
                     print(f"  all workers exited: see {args.output}/*-worker-*.log")
                     break
+            if endpoints:
+                acquired = scrape_acquired(endpoints)
+                print(
+                    "  the workers' /metrics now, requests acquired (the site's count): "
+                    + "  ".join(
+                        f"{h}: {acquired.get(h, 0):.0f} ({len(site.arrivals(h))})"
+                        for h in DEMO_HOSTS
+                    )
+                )
         finally:
             stop_workers(workers)
         return {
@@ -221,6 +237,41 @@ def crawl(run: Run, args: argparse.Namespace, redis_url: str) -> dict[str, Arriv
             )
             for h in DEMO_HOSTS
         }
+
+
+def metrics_endpoints(run: Run, output: Path) -> list[str]:
+    """The /metrics URLs the workers of *run* logged (see REDIS_THROTTLE_METRICS_PORT)."""
+    logs = sorted(output.glob(f"{run.name.replace(' ', '-')}-worker-*.log"))
+    found = [METRICS_AT.search(log.read_text(errors="replace")) for log in logs]
+    return [match[1] for match in found if match]
+
+
+METRICS_AT = re.compile(r"metrics at (http://\S+/metrics)")
+
+
+def scrape_acquired(endpoints: list[str]) -> dict[str, float]:
+    """scrapy_redis_throttle_requests_total{result="acquired"} per domain, summed over the
+    *endpoints* that answer (a worker that ended serves none)."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    acquired: dict[str, float] = {}
+    for url in endpoints:
+        try:
+            with urlopen(url, timeout=5) as response:
+                text = response.read().decode()
+        except OSError:
+            continue
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if (
+                    sample.name == "scrapy_redis_throttle_requests_total"
+                    and sample.labels["result"] == "acquired"
+                ):
+                    domain = sample.labels["domain"]
+                    acquired[domain] = acquired.get(domain, 0.0) + sample.value
+    return acquired
 
 
 def adaptive_rate(redis_url: str, host: str) -> float | None:

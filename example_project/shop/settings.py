@@ -37,6 +37,10 @@ REDIS_THROTTLE_ADAPTIVE_RECOVERY = 60
 # If Redis fails, each worker paces each domain itself at 1/N of its rate, N being the number of
 # workers it saw live in Redis just before (REDIS_THROTTLE_ON_REDIS_ERROR = "local", the
 # default; REDIS_THROTTLE_FALLBACK_WORKERS would fix N), until Redis is back.
+# Each worker serves its metrics to Prometheus at http://127.0.0.1:<port>/metrics, on the first
+# free port of this range (its log names it); `scrapy-redis-throttle exporter --port 9409` serves
+# the fleet's state in Redis. See docs/reference/metrics.rst, and docs/grafana/ for a dashboard.
+REDIS_THROTTLE_METRICS_PORT = [9410, 9499]
 # Each worker freezes its start-up's objects out of Python's garbage collector when the spider
 # opens (REDIS_THROTTLE_GC_FREEZE, on by default), so that full collections do not stall it
 # for 50-250 ms while its requests are on their way; False leaves the collector alone.
