@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 import threading
 import time
+from importlib.metadata import version
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -36,7 +38,7 @@ from .rates import (
     parse_limit,
 )
 from .redis_schema import ALGORITHM_CODES
-from .scopes import proxy_budget
+from .scopes import PROXY, proxy_budget
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -53,9 +55,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        if hasattr(args, "domain"):
-            args.domain = _domain(args.domain)
         config = _config(args)
+        if hasattr(args, "domain"):
+            args.domain = _domain(args.domain, config)
         if args.command == "set":
             live = _live_limit(args.limits, args.burst)
         if args.command == "exporter":
@@ -112,25 +114,16 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="scrapy-redis-throttle", description=__doc__.split("\n\n")[0].split(": ", 1)[1]
     )
-    parser.add_argument("--redis-url", help="the fleet's Redis (default: the project's settings)")
-    parser.add_argument("--key-prefix", help="REDIS_THROTTLE_KEY_PREFIX (default: the project's)")
     parser.add_argument(
-        "--sentinels",
-        metavar="HOST:PORT,...",
-        help="REDIS_THROTTLE_SENTINELS: ask these sentinels for the primary (with --service)",
+        "--version", action="version", version=f"%(prog)s {version('scrapy-redis-throttle')}"
     )
-    parser.add_argument("--service", help="REDIS_THROTTLE_SENTINEL_SERVICE, with --sentinels")
-    parser.add_argument(
-        "--cluster-nodes",
-        metavar="HOST:PORT,...",
-        help="REDIS_THROTTLE_CLUSTER_NODES: the fleet's Redis is the cluster of these nodes",
-    )
-    parser.add_argument(
-        "--spider", help=f"also read this spider's {SPIDER_ATTRIBUTE} and {SCOPE_ATTRIBUTE}"
-    )
+    _global_options(parser, None)
+    # The same options after the command too (each command's copy sets only what it is given).
+    after = argparse.ArgumentParser(add_help=False)
+    _global_options(after, argparse.SUPPRESS)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     set_command = commands.add_parser(
-        "set", help="set a domain's limit for every worker, at its next request"
+        "set", help="set a domain's limit for every worker, at its next request", parents=[after]
     )
     set_command.add_argument("domain", metavar="DOMAIN")
     set_command.add_argument(
@@ -150,20 +143,27 @@ def _parser() -> argparse.ArgumentParser:
         ("pause", "stop every request to a domain until it is resumed"),
         ("resume", "end a pause set live"),
     ):
-        command = commands.add_parser(name, help=text)
+        command = commands.add_parser(name, help=text, parents=[after])
         command.add_argument("domain", metavar="DOMAIN")
         if name == "get":
             _json_option(command)
-    _json_option(commands.add_parser("list", help="the domains with a limit set live"))
-    status = commands.add_parser("status", help="a table of the active domains")
+    _json_option(
+        commands.add_parser("list", help="the domains with a limit set live", parents=[after])
+    )
+    status = commands.add_parser(
+        "status", help="the live workers and a table of the active domains", parents=[after]
+    )
     _json_option(status)
     status.add_argument(
-        "--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C"
+        "--watch", type=_interval, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C"
     )
-    status.add_argument("--top", type=int, default=50, help="show at most this many (default 50)")
+    status.add_argument(
+        "--top", type=_positive_int, default=50, help="show at most this many (default 50)"
+    )
     exporter = commands.add_parser(
         "exporter",
         help="serve the fleet's state in Redis to Prometheus, at /metrics, until Ctrl-C",
+        parents=[after],
     )
     exporter.add_argument(
         "--port",
@@ -182,6 +182,48 @@ def _parser() -> argparse.ArgumentParser:
         "domain label (default 100)",
     )
     return parser
+
+
+def _global_options(parser: argparse.ArgumentParser, default: object) -> None:
+    """The options of every command, with *default* when not given."""
+    for name, options in (
+        ("--redis-url", {"help": "the fleet's Redis (default: the project's settings)"}),
+        ("--key-prefix", {"help": "REDIS_THROTTLE_KEY_PREFIX (default: the project's)"}),
+        (
+            "--sentinels",
+            {
+                "metavar": "HOST:PORT,...",
+                "help": "REDIS_THROTTLE_SENTINELS: ask these sentinels for the primary "
+                "(with --service)",
+            },
+        ),
+        ("--service", {"help": "REDIS_THROTTLE_SENTINEL_SERVICE, with --sentinels"}),
+        (
+            "--cluster-nodes",
+            {
+                "metavar": "HOST:PORT,...",
+                "help": "REDIS_THROTTLE_CLUSTER_NODES: the fleet's Redis is the cluster of "
+                "these nodes",
+            },
+        ),
+        (
+            "--spider",
+            {"help": f"also read this spider's {SPIDER_ATTRIBUTE} and {SCOPE_ATTRIBUTE}"},
+        ),
+    ):
+        parser.add_argument(name, default=default, **options)  # type: ignore[arg-type]
+
+
+def _interval(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0.1 <= seconds <= 86400:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of seconds from 0.1 to 86400, got {text!r}"
+        )
+    return seconds
 
 
 def _port(text: str) -> int:
@@ -206,11 +248,19 @@ def _json(value: object) -> str:
     return json.dumps(value, sort_keys=True)
 
 
-def _domain(text: str) -> str:
+def _domain(text: str, config: ThrottleConfig) -> str:
     """DOMAIN as the workers' budgets are named (see :func:`.rates.normalize_domain`, and
-    :func:`.scopes.proxy_budget` for a proxy's ``host:port``); a URL, or a port without a host
-    or that is no port, which no worker's budget holds, is refused."""
+    :func:`.scopes.proxy_budget` for a proxy's ``host:port``, in a project whose scopes count
+    proxies); a URL, or a port no worker's budget holds, is refused."""
     text = text.strip()
+    proxies = PROXY in {scope.name for scope in (config.scope, *config.other_scopes)}
+    if "/" not in text and _PORT.fullmatch(text) and not proxies:
+        host = text.rpartition(":")[0]
+        raise ThrottleConfigError(
+            f"DOMAIN: {text!r:.200} has a port, but the workers keep a site's limit under its "
+            f"host alone ({host!r:.200}); a host:port names a proxy, in a project whose "
+            f"REDIS_THROTTLE_SCOPE counts proxies"
+        )
     try:
         if "/" in text or not text:
             raise ValueError
@@ -220,7 +270,7 @@ def _domain(text: str) -> str:
     except ValueError:  # IDNA's own errors say less than this
         raise ThrottleConfigError(
             f"DOMAIN: expected a host name (or a redis_throttle_key, or a proxy's host:port), "
-            f"not a URL or a port: {text!r:.200}"
+            f"not a URL: {text!r:.200}"
         ) from None
 
 

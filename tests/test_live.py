@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -299,14 +300,49 @@ def test_the_tool_prints_json_for_machines(redis_server: RedisServer) -> None:
         (["get"], "the following arguments are required: DOMAIN"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
         (["--spider", "nope", "list"], "--spider: no spider named 'nope'"),
+        (["list", "--spider", "nope"], "--spider: no spider named 'nope'"),
+        (["status", "--top", "0"], "argument --top: expected an integer of at least 1, got '0'"),
+        (["status", "--top", "many"], "argument --top: expected an integer of at least 1, got 'many'"),
+        (["status", "--watch", "0"], "argument --watch: expected a number of seconds from 0.1 to 86400, got '0'"),
+        (["status", "--watch", "nan"], "argument --watch: expected a number of seconds from 0.1 to 86400, got 'nan'"),
+        (["exporter", "--port", "70000"], "argument --port: expected a port, 0 to 65535, got '70000'"),
+        (["exporter"], "the following arguments are required: --port"),
+        (["set", "shop.example:8080", "3/s"], "DOMAIN: 'shop.example:8080' has a port, but the workers keep a site's limit under its host alone ('shop.example'); a host:port names a proxy, in a project whose REDIS_THROTTLE_SCOPE counts proxies"),
+        (["get", "https://shop.example/"], "DOMAIN: expected a host name (or a redis_throttle_key, or a proxy's host:port), not a URL: 'https://shop.example/'"),
+        (["get", "shop.example/a"], "not a URL: 'shop.example/a'"),
     ],
-)
+)  # fmt: skip
 def test_the_tool_refuses_bad_input(
     redis_server: RedisServer, args: list[str], message: str
 ) -> None:
     done = tool("--redis-url", redis_server.url, *args, cwd=EXAMPLE_PROJECT)
     assert done.returncode == EXIT_BAD_INPUT
     assert message in done.stderr
+
+
+def test_the_tool_takes_its_options_before_or_after_the_command(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    before = tool("--redis-url", redis_server.url, "set", "shop.example", "2/s", cwd=tmp_path)
+    after = tool("list", "--redis-url", redis_server.url, cwd=tmp_path)
+    assert (before.returncode, after.returncode) == (0, 0), before.stderr + after.stderr
+    assert after.stdout == "shop.example: 2/s (workers' burst)\n"
+    # Given twice, the one after the command wins.
+    both = tool("--redis-url", "redis://127.0.0.1:1/0", "list", "--redis-url", redis_server.url)
+    assert both.stdout == after.stdout, both.stderr
+    version = tool("--version")
+    assert version.stdout == f"scrapy-redis-throttle {metadata.version('scrapy-redis-throttle')}\n"
+
+
+def test_the_tool_names_a_proxy_by_host_and_port_where_the_scopes_count_proxies(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    (tmp_path / "scrapy.cfg").write_text("[settings]\ndefault = proxied_settings\n")
+    (tmp_path / "proxied_settings.py").write_text(
+        f"REDIS_URL = {redis_server.url!r}\nREDIS_THROTTLE_SCOPE = ['host', 'proxy']\n"
+    )
+    done = tool("set", "Proxy.Example:3128", "10/s", cwd=tmp_path)
+    assert (done.returncode, done.stdout) == (0, "proxy.example:3128: 10/s (workers' burst)\n")
 
 
 def test_the_tool_says_when_redis_fails(tmp_path: Path) -> None:
