@@ -52,11 +52,15 @@ class CircuitBreaker:
             return None
         outage = self._clock() - self.open_since
         self.open_since = None
+        self.stop_waiting()
+        return outage
+
+    def stop_waiting(self) -> None:
+        """End the waits of :meth:`wait_closed` under way (the breaker stays as it is)."""
         for waiter in self._closed:
             if not waiter.done():
                 waiter.set_result(None)
         self._closed.clear()
-        return outage
 
     async def wait_closed(self) -> None:
         if self.open_since is not None:

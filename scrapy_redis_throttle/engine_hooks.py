@@ -200,6 +200,14 @@ def _leases(
     return leases
 
 
+def engine_closing(crawler: Crawler) -> bool:
+    """Whether the engine closes the spider. Scrapy sends no signal for it (``spider_closed``
+    comes once the requests in the downloader are done): its slot's ``closing``, private, read
+    guarded (False without it)."""
+    slot = getattr(crawler.engine, "_slot", None)
+    return getattr(slot, "closing", None) is not None
+
+
 def bind_parking(scheduler: BaseScheduler) -> ParkingScheduler:
     """Make *scheduler*, which the engine already runs, decide as a :class:`.ParkingScheduler`
     composed of itself: its methods that parking takes part in become that one's, on this

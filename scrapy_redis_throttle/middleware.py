@@ -26,7 +26,7 @@ from .config import STATS_PREFIX, ThrottleConfig
 from .connection import close, connect
 from .crawl_delay import CrawlDelays
 from .domains import Domains
-from .engine_hooks import attach_parking
+from .engine_hooks import attach_parking, engine_closing
 from .errors import ThrottleConfigError
 from .metrics import CANCELED, REJECTED, UNTHROTTLED, ThrottleMetrics, WorkerState
 from .metrics_endpoint import MetricsEndpoint, WorkerCollector
@@ -36,8 +36,9 @@ from .redis_schema import penalty_channel
 from .rejections import Rejections
 from .resilience import ResilientBucket, redis_error_stat
 from .startup import announce
+from .tasks import cancel_and_wait
 from .tickets import TICKET_META
-from .waiting import WENT, Turns
+from .waiting import WENT, DroppedAtClose, Turns
 
 if TYPE_CHECKING:
     from scrapy import Request, Spider
@@ -51,6 +52,8 @@ logger = logging.getLogger(__name__)
 
 # The other budgets (see .scopes) a parked request's moment was reserved in.
 OTHERS_META = "_redis_throttle_others"
+# How often the middleware looks whether the engine closes the spider (Scrapy sends no signal).
+CLOSE_LOOK = 0.25
 
 
 class RedisThrottleMiddleware:
@@ -97,6 +100,8 @@ class RedisThrottleMiddleware:
 
             instrument(self.metrics)
         self.metrics_endpoint: MetricsEndpoint | None = None
+        self._close_watch: asyncio.Task[None] | None = None
+        self._dropped_logged = False
         self.parking: ParkingArea | None = None
         self.rejections = Rejections(crawler.stats, self._log_extra)
         self.domains = Domains(
@@ -159,9 +164,12 @@ class RedisThrottleMiddleware:
         # Counts this worker in the fleet before the first request: the "local" policy's share.
         await self.activity.start()
         self._serve_metrics()
+        self._close_watch = asyncio.get_running_loop().create_task(self._watch_the_close())
         announce(self, spider)
 
     async def _spider_closed(self, spider: Spider) -> None:
+        if self._close_watch is not None:
+            await cancel_and_wait(self._close_watch, "the watch of the close")
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.close()
         self.domains.close()
@@ -173,6 +181,14 @@ class RedisThrottleMiddleware:
     def _release_parked(self, domain: str, heard: float, until: float) -> None:
         if self.parking is not None:
             self.parking.void(domain, heard, until)
+
+    async def _watch_the_close(self) -> None:
+        """Once the engine closes the spider, no held request waits again (for Redis, for a
+        domain paused, for a moment too far to reserve): the close waits for none of them."""
+        while not engine_closing(self.crawler):
+            await self.clock.sleep(CLOSE_LOOK)
+        self.turns.closing = True
+        self.bucket.closing()
 
     def _serve_metrics(self) -> None:
         """Start the ``/metrics`` endpoint, if ``REDIS_THROTTLE_METRICS_PORT`` is set; without
@@ -221,9 +237,25 @@ class RedisThrottleMiddleware:
         except asyncio.CancelledError:
             self.metrics.request(self._domain_of(request), CANCELED)
             raise
+        except DroppedAtClose:
+            self.metrics.request(self._domain_of(request), CANCELED)
+            self._dropped_at_close(request)
+            raise
         except Exception:
             self.metrics.request(self._domain_of(request), REJECTED)
             raise
+
+    def _dropped_at_close(self, request: Request) -> None:
+        self.stats.inc_value(f"{STATS_PREFIX}/dropped_at_close")
+        if not self._dropped_logged:
+            self._dropped_logged = True
+            logger.info(
+                "Redis throttle: the spider closes: %(request)s, which would wait again for "
+                "its turn and cannot be parked, is dropped, as are the others like it (counted "
+                "in %(stat)s)",
+                {"request": request, "stat": f"{STATS_PREFIX}/dropped_at_close"},
+                extra=self._log_extra(),
+            )
 
     def _domain_of(self, request: Request) -> str:
         """The domain *request* counts under in the metrics: its budget's, else its host (a

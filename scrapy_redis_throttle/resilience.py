@@ -102,6 +102,7 @@ class ResilientBucket:
         self._log_extra = log_extra
         self._rejections = Rejections(stats, log_extra)
         self.breaker = CircuitBreaker(FIRST_PROBE_DELAY, config.probe_interval, clock.monotonic)
+        self._closing = False
         self.fallback = Fallback(config, stats, log_extra, clock, fleet_size)
         self._prober: asyncio.Task[None] | None = None
         self._openings = 0
@@ -202,6 +203,8 @@ class ResilientBucket:
             grant = self.fallback.decide(domain, limit, cost, others)
             if grant is not None:
                 return grant
+            if self._closing:  # the request asks again, and is parked or dropped meanwhile
+                return Grant(later(self._config.probe_interval), shared=False)
             waited = True
             await self.breaker.wait_closed()
 
@@ -370,6 +373,11 @@ class ResilientBucket:
                 self._stats.inc_value(redis_error_stat(type(exc).__name__))
                 continue
             self._succeeded()
+
+    def closing(self) -> None:
+        """The spider closes: no request waits for Redis any more (see :meth:`acquire`)."""
+        self._closing = True
+        self.breaker.stop_waiting()
 
     async def aclose(self) -> None:
         """Stop probing, disconnect; count an outage still under way in the stats."""

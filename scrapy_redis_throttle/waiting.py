@@ -8,6 +8,8 @@ import logging
 import random
 from typing import TYPE_CHECKING, Any, Protocol
 
+from scrapy.exceptions import IgnoreRequest
+
 from .config import FALLBACK_WAIT, STATS_PREFIX
 from .metrics import ACQUIRED, PAUSED_LIVE, UNTHROTTLED
 from .parking import RELEASE_AHEAD
@@ -41,6 +43,12 @@ MISSED_AFTER = 0.05
 MOMENT_SLACK = 0.001
 # When the request left for the download (loop time), for the adaptive rate.
 SENT_META = "_redis_throttle_sent_at"
+
+
+class DroppedAtClose(IgnoreRequest):
+    """A request that would have waited again while the spider closes, and could not be
+    parked: dropped, so that the close does not wait for it (with scrapy-redis, its lease gives
+    it back to the queue)."""
 
 
 class Went(enum.Enum):
@@ -89,6 +97,8 @@ class Turns:
         self._stats = stats
         self._metrics = metrics
         self._log_extra = log_extra
+        self.closing = False
+        """The spider closes: a request that would wait again is parked, or dropped."""
 
     async def take(
         self, request: Request, budget: RequestBudget, ticket: Ticket | None, may_park: bool
@@ -124,6 +134,8 @@ class Turns:
                 decided = result.decided(self._clock.monotonic())
                 delayed = delayed or grant.waited_for_redis
                 paused = 0.0 if grant.shared else self._pauses.paused_for(domain)
+                if paused and self.closing:
+                    return self._leave(request, domain, limit, grant, asked_at, since, may_park)
                 if paused:
                     # Without Redis no bucket holds the pause back: this worker does.
                     delayed = True
@@ -139,6 +151,8 @@ class Turns:
                 if result.paused and grant.shared:
                     stats.inc_value(f"{STATS_PREFIX}/paused_live")
                     self._metrics.paused(domain, PAUSED_LIVE)
+                if self.closing and not result.reserved:
+                    return self._leave(request, domain, limit, grant, asked_at, since, may_park)
                 if may_park and result.retry_after > self._config.max_hold:
                     return self._park(request, domain, limit, grant, asked_at, since)
                 if grant.handover:
@@ -293,6 +307,22 @@ class Turns:
         total_key = f"{STATS_PREFIX}/wait_time_total"
         stats.set_value(total_key, stats.get_value(total_key, 0.0) + waited)
         stats.max_value(f"{STATS_PREFIX}/wait_time_max", waited)
+
+    def _leave(
+        self,
+        request: Request,
+        domain: str,
+        limit: Limit,
+        grant: Grant,
+        asked_at: float,
+        since: float,
+        may_park: bool,
+    ) -> Ticket:
+        """At the close, for a request that would wait again: its ticket to park it (the
+        parking area keeps or drops it with the others), or :exc:`DroppedAtClose`."""
+        if may_park:
+            return self._park(request, domain, limit, grant, asked_at, since)
+        raise DroppedAtClose(f"the spider closes; it would wait again for {domain!r}")
 
     def _park(
         self,

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import warnings
+from contextlib import ExitStack
 from datetime import datetime
 from typing import Any
 
@@ -539,3 +540,66 @@ async def test_addon_enables_throttling_in_a_crawl_without_deprecation_warnings(
     assert crawler.engine.scheduler_cls is ParkingScheduler
     assert crawler.stats.get_value("redis_throttle/requests") == 3
     assert crawler.stats.get_value("redis_throttle/delayed") == 2
+
+
+CLOSE_CASES: dict[str, tuple[dict[str, Any], str]] = {
+    "unreachable": ({}, "local"),
+    "wrong password": ({"password": "wrong"}, "local"),
+    "unreachable, wait policy": ({}, "wait"),
+    "unreachable, scrapy-redis's queue": ({"scrapy_redis": True}, "local"),
+}
+
+
+@pytest.mark.parametrize("case", list(CLOSE_CASES))
+@async_test
+async def test_a_close_does_not_wait_for_a_redis_that_does_not_answer(
+    own_redis: RedisServer, redis_server: RedisServer, site: DemoSite, case: str
+) -> None:
+    """The throttle's Redis never answers; requests ask again every 0.5 s, held in the
+    downloader (REDIS_THROTTLE_MAX_HOLD is 1 s). At CLOSESPIDER_TIMEOUT the spider closes
+    within seconds: each held request is parked (then dropped, or kept in scrapy-redis's
+    Redis with its queue), and none went out unthrottled."""
+    options, policy = CLOSE_CASES[case]
+    own_redis.stop()
+    throttle_url = own_redis.url
+    stack = ExitStack()
+    if "password" in options:  # up, but it refuses the password
+        guarded = stack.enter_context(RedisServer(password="right"))
+        throttle_url = f"redis://:{options['password']}@127.0.0.1:{guarded.port}/0"
+    queue: dict[str, Any] = (
+        {
+            "SCHEDULER": "scrapy_redis.scheduler.Scheduler",
+            "DUPEFILTER_CLASS": "scrapy_redis.dupefilter.RFPDupeFilter",
+            "SCHEDULER_PERSIST": True,
+            "SCHEDULER_QUEUE_KEY": f"close-test:{time.monotonic_ns()}:requests",
+        }
+        if options.get("scrapy_redis")
+        else {}
+    )
+    started = time.monotonic()
+    with stack:
+        crawler = await run_crawl(
+            crawl_settings(
+                redis_server.url,
+                REDIS_THROTTLE_URL=throttle_url,
+                REDIS_THROTTLE_PROBE_INTERVAL=0.5,
+                REDIS_THROTTLE_ON_REDIS_ERROR=policy,
+                CLOSESPIDER_TIMEOUT=2,
+                **queue,
+            ),
+            pages(site, A, 10),
+            redis_throttle_rates={A: "10/s"},
+        )
+    took = time.monotonic() - started
+    stats = crawler.stats.get_stats()
+    assert took < 2 + 3, f"the close took {took - 2:.1f} s"
+    assert site.arrivals(A) == [], "nothing went unthrottled"
+    if queue:
+        with redis_server.client() as client:
+            kept = client.zcard(
+                queue["SCHEDULER_QUEUE_KEY"].replace(":requests", ":requests:parked")
+            )
+        assert kept == 10, "kept for the next run, beside the queue"
+    else:
+        dropped = stats.get("redis_throttle/parked_not_crawled", 0)
+        assert dropped + stats.get("redis_throttle/dropped_at_close", 0) == 10, stats

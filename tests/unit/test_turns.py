@@ -14,7 +14,7 @@ from scrapy_redis_throttle.bucket import AcquireResult, Voiding
 from scrapy_redis_throttle.config import FALLBACK_LOCAL, FALLBACK_WAIT
 from scrapy_redis_throttle.parking import RELEASE_AHEAD
 from scrapy_redis_throttle.tickets import Ticket
-from scrapy_redis_throttle.waiting import MISSED_AFTER, SENT_META, WENT
+from scrapy_redis_throttle.waiting import MISSED_AFTER, SENT_META, WENT, DroppedAtClose
 
 TWO_PER_SECOND = limit("2/s")
 BURST_THREE = limit("2/s", burst=3)
@@ -399,3 +399,24 @@ async def test_a_request_cancelled_while_holding_leaves_no_sleep_behind() -> Non
     await throttle.clock.advance(0)
     assert throttle.clock.sleeping == []
     assert turn.cancelled()
+
+
+@async_test
+async def test_at_a_close_a_request_that_would_wait_again_is_parked_or_dropped() -> None:
+    """Paused live for 0.5 s, under REDIS_THROTTLE_MAX_HOLD: held, asking again, until the
+    spider closes; then parked if it may be, else dropped. A reserved moment still goes."""
+    throttle = Throttle()
+    paused = AcquireResult(False, False, 0.0, 0.5, 0.0, paused=True)
+    throttle.bucket.answers.extend([paused, paused])
+    throttle.turns.closing = True
+    ticket = await throttle.take(request(), TWO_PER_SECOND, may_park=True)
+    assert isinstance(ticket, Ticket)
+    assert ticket.due == pytest.approx(throttle.clock.now + 0.5)
+    with pytest.raises(DroppedAtClose):
+        await throttle.take(request(), TWO_PER_SECOND)
+    assert len(throttle.bucket.calls) == 2, "each asked once, and waited no more"
+    # The bucket's own answers: the first goes at once, the second at its moment, 0.5 s later.
+    start = throttle.clock.now
+    assert await throttle.take(request(), TWO_PER_SECOND) is WENT
+    assert await throttle.take(request(), TWO_PER_SECOND) is WENT
+    assert throttle.clock.now - start == pytest.approx(0.5)
