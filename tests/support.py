@@ -78,7 +78,7 @@ def documented_acl_rules(user: str = "throttle-worker") -> list[str]:
 def documented_cluster_rights() -> list[str]:
     """The rights the docs say a worker needs on top of those on a Redis Cluster."""
     match = re.search(
-        r"On a Redis Cluster, create the user on every node, with\s+``([^`]+)``",
+        r"On a Redis Cluster, create the users? on every node, with\s+``([^`]+)``",
         SECURITY_DOCS.read_text(),
     )
     assert match, f"{SECURITY_DOCS} documents no rights for a Redis Cluster"
