@@ -254,8 +254,8 @@ def _domain(text: str, config: ThrottleConfig) -> str:
     proxies); a URL, or a port no worker's budget holds, is refused."""
     text = text.strip()
     proxies = PROXY in {scope.name for scope in (config.scope, *config.other_scopes)}
-    if "/" not in text and _PORT.fullmatch(text) and not proxies:
-        host = text.rpartition(":")[0]
+    host = text.rpartition(":")[0]
+    if "/" not in text and _PORT.fullmatch(text) and host and not proxies:
         raise ThrottleConfigError(
             f"DOMAIN: {text!r:.200} has a port, but the workers keep a site's limit under its "
             f"host alone ({host!r:.200}); a host:port names a proxy, in a project whose "
@@ -270,7 +270,7 @@ def _domain(text: str, config: ThrottleConfig) -> str:
     except ValueError:  # IDNA's own errors say less than this
         raise ThrottleConfigError(
             f"DOMAIN: expected a host name (or a redis_throttle_key, or a proxy's host:port), "
-            f"not a URL: {text!r:.200}"
+            f"{'not a URL' if '/' in text else 'got'}: {text!r:.200}"
         ) from None
 
 

@@ -821,18 +821,28 @@ def test_the_tool_refuses_a_url_or_a_port_and_stores_a_name_as_workers_read_it(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
     url = ("--redis-url", redis_server.url)
-    for domain in ("http://shop.example", "https://shop.example/", "shop.example:", ":8080"):
+    for domain, message in (
+        ("http://shop.example", "not a URL"),
+        ("https://shop.example/", "not a URL"),
+        (":8080", "expected a host name (or a redis_throttle_key, or a proxy's host:port), got"),
+        ("shop.example:8080", "has a port, but the workers keep a site's limit under its host"),
+    ):
         done = tool(*url, "set", domain, "1/s", cwd=tmp_path)
         assert done.returncode == EXIT_BAD_INPUT, domain
-        assert "not a URL or a port" in done.stderr, done.stderr
+        assert message in done.stderr, done.stderr
     done = tool(*url, "set", "Bücher.Example.", "2/s", cwd=tmp_path)
     assert (done.returncode, done.stdout) == (0, "xn--bcher-kva.example: 2/s (workers' burst)\n")
-    # A proxy's budget (the "proxy" scope): its host and port, the host as a domain's.
+    # A proxy's budget, in a project whose scopes count proxies: its host and port, the host
+    # as a domain's.
+    proxied = tmp_path / "proxied"
+    proxied.mkdir()
+    (proxied / "scrapy.cfg").write_text("[settings]\ndefault = proxied_settings\n")
+    (proxied / "proxied_settings.py").write_text("REDIS_THROTTLE_SCOPE = ['host', 'proxy']\n")
     for proxy, name in (("Proxy.Example:8080", "proxy.example:8080"), ("ПРОКСИ.рф:80", RF)):
-        done = tool(*url, "set", proxy, "10/s", cwd=tmp_path)
+        done = tool(*url, "set", proxy, "10/s", cwd=proxied)
         assert (done.returncode, done.stdout) == (0, f"{name}: 10/s (workers' burst)\n")
-    for proxy in ("proxy.example:0", "proxy.example:65536"):
-        assert tool(*url, "set", proxy, "1/s", cwd=tmp_path).returncode == EXIT_BAD_INPUT
+    for proxy in ("proxy.example:0", "proxy.example:65536", "proxy.example:"):
+        assert tool(*url, "set", proxy, "1/s", cwd=proxied).returncode == EXIT_BAD_INPUT
     with redis_server.client() as client:
         assert LiveControl(client, "redis_throttle").live_limits().keys() == {
             "xn--bcher-kva.example",
