@@ -244,6 +244,9 @@ class ThrottleConfig:
     opening (see :mod:`scrapy_redis_throttle.gc_freeze`)."""
     metrics: MetricsSettings
     """The worker's metrics: its ``/metrics`` endpoint, OpenTelemetry."""
+    download_slot: str | None
+    """The download slot of the requests the throttle paces, without Scrapy's per-domain delay
+    and concurrency (see the add-on); None: Scrapy's own slots, per domain."""
 
     @property
     def redis_location(self) -> str:
@@ -342,6 +345,7 @@ class ThrottleConfig:
             crawl_delay=get_flag(settings, "REDIS_THROTTLE_CRAWL_DELAY_ENABLED", default=True),
             gc_freeze=get_flag(settings, "REDIS_THROTTLE_GC_FREEZE", default=True),
             metrics=_metrics(settings),
+            download_slot=_download_slot(settings),
             max_crawl_delay=get_seconds(
                 settings, "REDIS_THROTTLE_MAX_CRAWL_DELAY", DEFAULT_MAX_CRAWL_DELAY, minimum=0.001
             ),
@@ -364,6 +368,23 @@ def _fallback_workers(settings: BaseSettings) -> int | None:
     return parse_positive_int(
         value, source="REDIS_THROTTLE_FALLBACK_WORKERS", what="the number of workers"
     )
+
+
+def _download_slot(settings: BaseSettings) -> str | None:
+    slot = get_value(settings, "REDIS_THROTTLE_DOWNLOAD_SLOT", None)
+    if slot is None:
+        return None
+    if not isinstance(slot, str) or not slot:
+        raise ThrottleConfigError(
+            f"REDIS_THROTTLE_DOWNLOAD_SLOT must be the name of a download slot, or None, "
+            f"got {slot!r}"
+        )
+    if slot not in get_dict(settings, "DOWNLOAD_SLOTS"):
+        raise ThrottleConfigError(
+            f"REDIS_THROTTLE_DOWNLOAD_SLOT {slot!r} names no entry of DOWNLOAD_SLOTS: give it "
+            f"one (the add-on does, without delay)"
+        )
+    return slot
 
 
 def _metrics(settings: BaseSettings) -> MetricsSettings:

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from dataclasses import replace
 from typing import TYPE_CHECKING
 from weakref import WeakKeyDictionary, WeakSet
 
 from .config import STATS_PREFIX
+from .tickets import OTHERS_META
 
 # Requests given back at one look, at most.
 RELEASE_BATCH = 32
@@ -123,6 +125,29 @@ class Handoff:
             self._unparkable.discard(request)
             return False, ticket
         return True, ticket
+
+    def lend(self, domain: str) -> Ticket | None:
+        """The moment reserved for *domain* soonest by a request handed out with it that the
+        middleware has not seen yet, for a robots.txt request of that domain to go at: such a
+        request waits for its worker's robots.txt (RobotsTxtMiddleware) before the throttle,
+        and would miss its moment while the robots.txt waits for one of its own. It asks for a
+        new moment when it comes. None: there is none (a request whose moment is reserved in
+        other budgets too keeps it)."""
+        lent: tuple[Request, Ticket] | None = None
+        for request, ticket in self._handed.items():
+            if (
+                ticket is not None
+                and ticket.reserved
+                and ticket.domain == domain
+                and OTHERS_META not in request.meta
+                and (lent is None or ticket.due < lent[1].due)
+            ):
+                lent = request, ticket
+        if lent is None:
+            return None
+        request, ticket = lent
+        self._handed[request] = replace(ticket, reserved=False)
+        return ticket
 
     def take_all(self) -> list[Parked]:
         """The requests given back that the engine has not taken, no longer to hand out."""

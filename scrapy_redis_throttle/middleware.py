@@ -35,9 +35,10 @@ from .pushback import Pushback
 from .redis_schema import penalty_channel
 from .rejections import Rejections
 from .resilience import ResilientBucket, redis_error_stat
+from .slot_caps import SlotCaps
 from .startup import announce
 from .tasks import cancel_and_wait
-from .tickets import TICKET_META
+from .tickets import OTHERS_META, TICKET_META
 from .waiting import WENT, DroppedAtClose, Turns
 
 if TYPE_CHECKING:
@@ -50,10 +51,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# The other budgets (see .scopes) a parked request's moment was reserved in.
-OTHERS_META = "_redis_throttle_others"
 # How often the middleware looks whether the engine closes the spider (Scrapy sends no signal).
 CLOSE_LOOK = 0.25
+# Scrapy's meta key of a request's download slot.
+DOWNLOAD_SLOT_META = "download_slot"
 
 
 class RedisThrottleMiddleware:
@@ -114,6 +115,9 @@ class RedisThrottleMiddleware:
             crawler, self.config, self.rejections, self._log_extra, self.domains
         )
         self.budgets = Budgets(self.config, self.domains, self.crawl_delays)
+        self.slot_caps = SlotCaps(
+            self.config.crawl, lambda: self.activity.fleet_size, self._log_extra
+        )
         self.pauses = Pauses(
             self.redis,
             penalty_channel(self.config.key_prefix),
@@ -269,6 +273,7 @@ class RedisThrottleMiddleware:
         if request.meta.get("dont_redis_throttle"):
             self.stats.inc_value(f"{STATS_PREFIX}/skipped")
             self.metrics.request(self._domain_of(request), UNTHROTTLED)
+            self._unpaced(request)
             return None
         budget = await self.budgets.of(request)
         if ticket is not None:
@@ -276,7 +281,12 @@ class RedisThrottleMiddleware:
         if budget is None:
             self.stats.inc_value(f"{STATS_PREFIX}/unthrottled")
             self.metrics.request(self._domain_of(request), UNTHROTTLED)
+            self._unpaced(request)
             return None
+        if ticket is None and self.parking is not None and not budget.others and _robots(request):
+            # Its worker's requests of the domain back from the parking area wait for it:
+            # it goes at the soonest moment one of them holds (see Handoff.lend).
+            ticket = self.parking.handoff.lend(budget.domain)
         others = budget.other_names
         if ticket is not None and (
             ticket.domain != budget.domain or request.meta.get(OTHERS_META, []) != others
@@ -286,6 +296,10 @@ class RedisThrottleMiddleware:
             ticket = replace(ticket, domain=budget.domain, reserved=False)
         park = await self.turns.take(request, budget, ticket, may_park)
         if park is WENT:
+            if self.config.download_slot is not None:
+                # Not through its domain's slot, whose per-process delay and concurrency would
+                # hold it below the shared budget (a slot the project chose stays).
+                request.meta.setdefault(DOWNLOAD_SLOT_META, self.config.download_slot)
             return None
         # Back to the engine, which hands it to the parking area (see engine_hooks.attach), with
         # the other budgets its moment is reserved in.
@@ -294,11 +308,34 @@ class RedisThrottleMiddleware:
             del meta[OTHERS_META]
         return request.replace(meta=meta)
 
+    def _unpaced(self, request: Request) -> None:
+        """A request the throttle does not pace goes through its domain's own slot (one that
+        followed a redirect from a paced domain carries the throttle's)."""
+        if (
+            self.config.download_slot is not None
+            and request.meta.get(DOWNLOAD_SLOT_META) == self.config.download_slot
+        ):
+            del request.meta[DOWNLOAD_SLOT_META]
+
     async def process_response(self, request: Request, response: Response) -> Response:
         """A 429 or 503 pauses its domain for every worker (see :mod:`.pushback`), before
-        RetryMiddleware, at 550, retries the request."""
+        RetryMiddleware, at 550, retries the request. Without a download slot of the
+        throttle's own, a domain that Scrapy's slot settings hold below its budget is warned
+        of (see :mod:`.slot_caps`)."""
+        if self.config.download_slot is None:
+            domain = self.budgets.domain_of(request)
+            limit = None if domain is None else self.budgets.limit(domain)
+            if domain is not None and limit is not None:
+                self.slot_caps.check(domain, limit, request.meta.get("download_latency"))
         return await self.pushback.response(request, response)
 
     async def process_exception(self, request: Request, exception: Exception) -> None:
         """A download timeout lowers its domain's adaptive rate, if that is on."""
         await self.pushback.exception(request, exception)
+
+
+def _robots(request: Request) -> bool:
+    """Whether *request* is RobotsTxtMiddleware's fetch of a robots.txt."""
+    return bool(request.meta.get("dont_obey_robotstxt")) and (
+        urlparse_cached(request).path == "/robots.txt"
+    )

@@ -73,6 +73,9 @@ def describe_setup(middleware: RedisThrottleMiddleware) -> list[str]:
         + f"if Redis fails, {middleware.bucket.fallback.describe()}",
         "limits:\n  " + "\n  ".join(config.limits.describe()),
     ]
+    slot = _slot_line(config)
+    if slot is not None:
+        lines.append(slot)
     crawl_delay = middleware.crawl_delays.describe()
     if crawl_delay is not None:
         lines.append(crawl_delay)
@@ -89,33 +92,35 @@ def describe_setup(middleware: RedisThrottleMiddleware) -> list[str]:
 
 def setup_warnings(config: ThrottleConfig) -> list[str]:
     """Scrapy's per-process politeness settings that fight the shared budget, each with the
-    setting to change."""
-    scrapy = config.crawl
-    warnings = []
-    if scrapy.download_delay > 0:
-        warnings.append(
-            f"DOWNLOAD_DELAY = {scrapy.download_delay:g} makes each worker wait that long "
-            "between two requests to a domain, on top of the shared budget: set "
-            "DOWNLOAD_DELAY = 0 and let the shared limits pace the fleet"
+    setting to change (the slot settings that hold a domain below its budget are warned of per
+    domain, see :mod:`.slot_caps`)."""
+    if not config.crawl.autothrottle:
+        return []
+    return [
+        "AUTOTHROTTLE_ENABLED = True sets each worker's own delay per download slot from its "
+        "own latencies, which fights the shared budget: set AUTOTHROTTLE_ENABLED = False "
+        "(REDIS_THROTTLE_ADAPTIVE_ENABLED = True slows a struggling domain down for the whole "
+        "fleet)"
+    ]
+
+
+def _slot_line(config: ThrottleConfig) -> str | None:
+    """What the throttle's own download slot takes over from Scrapy's slot settings."""
+    if config.download_slot is None:
+        return None
+    crawl = config.crawl
+    lifted = [f"DOWNLOAD_DELAY = {crawl.download_delay:g}"] if crawl.download_delay else []
+    lifted += [
+        f"{name} = {value}"
+        for name, value in (
+            ("CONCURRENT_REQUESTS_PER_DOMAIN", crawl.per_domain),
+            ("CONCURRENT_REQUESTS_PER_IP", crawl.per_ip),
         )
-    if scrapy.autothrottle:
-        warnings.append(
-            "AUTOTHROTTLE_ENABLED = True sets each worker's own delay per domain from its own "
-            "latencies, which fights the shared budget: set AUTOTHROTTLE_ENABLED = False "
-            "(REDIS_THROTTLE_ADAPTIVE_ENABLED = True slows a struggling domain down for the "
-            "whole fleet)"
-        )
-    burst = config.limits.largest_burst()
-    for name, value in (
-        ("CONCURRENT_REQUESTS_PER_DOMAIN", scrapy.per_domain),
-        ("CONCURRENT_REQUESTS_PER_IP", scrapy.per_ip),
-    ):
-        if 0 < value < burst:
-            warnings.append(
-                f"{name} = {value} is below the largest burst of the limits ({burst}): each "
-                f"worker sends at most {value} request(s) at a time to a domain, and those the "
-                "shared budget lets go meanwhile queue in the downloader, holding its slots; "
-                f"raise {name} (e.g. to CONCURRENT_REQUESTS = {scrapy.concurrent_requests}): "
-                "the shared limits already pace each domain"
-            )
-    return warnings
+        if 0 < value < crawl.concurrent_requests
+    ]
+    settings = f" ({', '.join(lifted)} apply to the others)" if lifted else ""
+    return (
+        f"the requests it paces go through the download slot {config.download_slot!r} "
+        "(REDIS_THROTTLE_DOWNLOAD_SLOT), without Scrapy's per-domain delay and concurrency: "
+        f"the shared budget paces them{settings}"
+    )

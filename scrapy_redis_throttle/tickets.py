@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     from .server_clock import ServerClock
 
 TICKET_META = "_redis_throttle_ticket"
+# The other budgets (see .scopes) a parked request's moment was reserved in.
+OTHERS_META = "_redis_throttle_others"
 # A parked request's exact moment (Ticket.moment_us) is not after the due the parking area tells
 # by more than this (the two clocks' bounds): a moment further after it is not one Redis gave,
 # as this process reads it (a clock stepped), and the due counts. A due later than the moment

@@ -399,31 +399,80 @@ async def test_a_worker_that_never_saw_the_fleet_sends_nothing_until_redis_is_ba
 async def test_the_start_up_says_what_the_set_up_does_and_warns_of_settings_that_fight_it(
     redis_server: RedisServer, site: DemoSite, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Scrapy's project template sets DOWNLOAD_DELAY = 1 and CONCURRENT_REQUESTS_PER_DOMAIN = 1:
-    each per-process setting that fights the shared budget is named in a warning."""
+    """The middleware line alone keeps Scrapy's download slots: AutoThrottle is named at the
+    start, and the DOWNLOAD_DELAY that holds A (5/s) to 2/s in one WARNING naming A, the cap
+    and the setting, once; B, unlimited, is not the throttle's to warn of."""
     caplog.set_level(logging.INFO, logger="scrapy_redis_throttle")
     settings = crawl_settings(
         redis_server.url,
-        DOWNLOAD_DELAY=0.01,
+        DOWNLOAD_DELAY=0.5,
         AUTOTHROTTLE_ENABLED=True,
+        AUTOTHROTTLE_START_DELAY=0.5,
         CONCURRENT_REQUESTS_PER_DOMAIN=1,
     )
-    await run_crawl(settings, pages(site, A, 1), redis_throttle_rates={A: {"rate": 5, "burst": 3}})
+    await run_crawl(
+        settings,
+        pages(site, A, 3) + pages(site, B, 1),
+        redis_throttle_rates={A: {"rate": 5, "burst": 3}, B: None},
+    )
     messages = [r.getMessage() for r in caplog.records if r.name.startswith("scrapy_redis")]
     [summary] = [m for m in messages if "one budget per domain (a domain: each host, " in m]
     assert "requests that must wait over 1 s are parked in this process" in summary
     assert "a 429/503 pauses its domain for every worker" in summary
     assert "paced in this process at 1/1 of its rate (the 1 worker last seen live)" in summary
+    assert not [m for m in messages if "REDIS_THROTTLE_DOWNLOAD_SLOT" in m], "nothing taken"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 3, warnings
-    assert "DOWNLOAD_DELAY = 0.01" in warnings[0]
-    assert "set DOWNLOAD_DELAY = 0" in warnings[0]
-    assert "set AUTOTHROTTLE_ENABLED = False" in warnings[1]
-    assert "CONCURRENT_REQUESTS_PER_DOMAIN = 1 is below the largest burst" in warnings[2]
+    assert len(warnings) == 2, warnings
+    assert "set AUTOTHROTTLE_ENABLED = False" in warnings[0]
+    assert warnings[1].startswith(
+        f"Redis throttle: DOWNLOAD_DELAY = 0.5 lets each worker send '{A}' one request every "
+        f"0.5 s: with 1 worker(s), at most 2/s, below its shared limit 5/s (burst 3)"
+    ), warnings[1]
 
     caplog.clear()
     await run_crawl(crawl_settings(redis_server.url), pages(site, A, 1))
     assert [r for r in caplog.records if r.levelno == logging.WARNING] == [], "no fight: silent"
+
+
+@pytest.mark.parametrize("own_slot", [True, False], ids=["add-on", "both-layers"])
+@async_test
+async def test_the_add_on_lifts_the_template_s_politeness_for_the_domains_it_paces(
+    redis_server: RedisServer, site: DemoSite, caplog: pytest.LogCaptureFixture, own_slot: bool
+) -> None:
+    """Scrapy's project template sets DOWNLOAD_DELAY = 1 and CONCURRENT_REQUESTS_PER_DOMAIN =
+    1. With the add-on, A's 5 requests at 5/s go at the shared pace, and B, unlimited, keeps
+    the project's delay; REDIS_THROTTLE_DOWNLOAD_SLOT = None keeps both layers on A too."""
+    caplog.set_level(logging.INFO, logger="scrapy_redis_throttle")
+    settings = {
+        **crawl_settings(redis_server.url),
+        "DOWNLOADER_MIDDLEWARES": {},
+        "ADDONS": {"scrapy_redis_throttle.Addon": 500},
+        "DOWNLOAD_DELAY": 1,
+        "CONCURRENT_REQUESTS_PER_DOMAIN": 1,
+        **({} if own_slot else {"REDIS_THROTTLE_DOWNLOAD_SLOT": None}),
+    }
+    await run_crawl(
+        settings, pages(site, A, 5) + pages(site, B, 2), redis_throttle_rates={A: "5/s", B: None}
+    )
+    a, b = times(site, A), times(site, B)
+    assert len(a) == 5
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("scrapy_redis")]
+    took_over = [m for m in messages if "(REDIS_THROTTLE_DOWNLOAD_SLOT)" in m]
+    warned = [m for m in messages if m.startswith("Redis throttle: DOWNLOAD_DELAY = 1 lets")]
+    assert b[1] - b[0] >= 0.5, "B, unlimited, keeps the project's DOWNLOAD_DELAY (0.5-1.5 s)"
+    if own_slot:
+        assert 4 / (a[-1] - a[0]) >= 0.9 * 5, f"A at {4 / (a[-1] - a[0]):.2f}/s"
+        assert took_over == [
+            "Redis throttle: the requests it paces go through the download slot "
+            "'redis_throttle' (REDIS_THROTTLE_DOWNLOAD_SLOT), without Scrapy's per-domain delay "
+            "and concurrency: the shared budget paces them (DOWNLOAD_DELAY = 1, "
+            "CONCURRENT_REQUESTS_PER_DOMAIN = 1 apply to the others)"
+        ]
+        assert warned == []
+    else:
+        assert 4 / (a[-1] - a[0]) < 2, "one request per DOWNLOAD_DELAY, on top of the budget"
+        assert took_over == []
+        assert len(warned) == 1, messages
 
 
 @async_test

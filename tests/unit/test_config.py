@@ -5,9 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from scrapy import Spider
+from scrapy.addons import AddonManager
+from scrapy.crawler import Crawler
 from scrapy.exceptions import NotConfigured
 from scrapy.settings import Settings
 
+from scrapy_redis_throttle.addon import Addon
 from scrapy_redis_throttle.config import Adaptive, Backoff, ThrottleConfig, needs_extra
 from scrapy_redis_throttle.connection import ClusterClient, connect
 from scrapy_redis_throttle.errors import ThrottleConfigError
@@ -499,3 +503,51 @@ def test_a_setting_that_needs_a_missing_extra_says_what_to_install() -> None:
         r"pip install 'scrapy-redis-throttle\[metrics\]'$",
     ):
         needs_extra("REDIS_THROTTLE_METRICS_PORT", "not_installed_here.client", "metrics")
+
+
+def _with_addon(**project: Any) -> Settings:
+    settings = Settings()
+    settings.setdict({"ADDONS": {Addon: 100}, **project}, priority="project")
+    AddonManager(Crawler(Spider, settings)).load_settings(settings)
+    return settings
+
+
+def test_the_addon_gives_the_paced_requests_a_download_slot_without_delay() -> None:
+    settings = _with_addon(
+        DOWNLOAD_DELAY=1,
+        CONCURRENT_REQUESTS=24,
+        CONCURRENT_REQUESTS_PER_DOMAIN=1,
+        DOWNLOAD_SLOTS={"slow.example": {"delay": 5}},
+    )
+    assert settings.getdict("DOWNLOAD_SLOTS") == {
+        "slow.example": {"delay": 5},
+        "redis_throttle": {"delay": 0.0, "concurrency": 24},
+    }
+    assert ThrottleConfig.from_settings(settings).download_slot == "redis_throttle"
+    # The project's own settings stay as they are, for the domains the throttle does not pace.
+    assert (settings["DOWNLOAD_DELAY"], settings["CONCURRENT_REQUESTS_PER_DOMAIN"]) == (1, 1)
+
+
+def test_a_project_keeps_both_layers_or_names_its_own_slot() -> None:
+    both = _with_addon(REDIS_THROTTLE_DOWNLOAD_SLOT=None)
+    assert both.getdict("DOWNLOAD_SLOTS") == {}
+    assert ThrottleConfig.from_settings(both).download_slot is None
+    own = _with_addon(
+        REDIS_THROTTLE_DOWNLOAD_SLOT="mine", DOWNLOAD_SLOTS={"mine": {"concurrency": 4}}
+    )
+    assert own.getdict("DOWNLOAD_SLOTS") == {"mine": {"concurrency": 4}}
+    assert ThrottleConfig.from_settings(own).download_slot == "mine"
+    assert config().download_slot is None, "the middleware line alone: Scrapy's slots"
+
+
+@pytest.mark.parametrize(
+    ("slot", "message"),
+    [
+        ("mine", "REDIS_THROTTLE_DOWNLOAD_SLOT 'mine' names no entry of DOWNLOAD_SLOTS: give it one \\(the add-on does, without delay\\)"),
+        ("", "REDIS_THROTTLE_DOWNLOAD_SLOT must be the name of a download slot, or None, got ''"),
+        (3, "REDIS_THROTTLE_DOWNLOAD_SLOT must be the name of a download slot, or None, got 3"),
+    ],
+)  # fmt: skip
+def test_a_download_slot_without_its_entry_is_refused(slot: object, message: str) -> None:
+    with pytest.raises(ThrottleConfigError, match=message):
+        config(REDIS_THROTTLE_DOWNLOAD_SLOT=slot)

@@ -279,3 +279,31 @@ async def test_the_in_process_store_gives_back_at_most_what_it_is_asked_for() ->
     due, next_due = await store.unpark(ahead=0.0, limit=10)
     assert due == []
     assert store.parked == 3
+
+
+@async_test
+async def test_a_robots_txt_borrows_the_soonest_moment_of_a_request_waiting_for_it() -> None:
+    """Requests back from the parking area with their moments, not yet seen by the middleware
+    (they wait for their worker's robots.txt): the robots.txt of their domain goes at the
+    soonest, whose request asks anew; another domain's, and an unreserved one, are left."""
+    yard = Yard()
+    later = yard.park(yard.ticket(0.3), 1)
+    sooner = yard.park(yard.ticket(0.2), 2)
+    other = yard.park(yard.ticket(0.1, domain="b.example"), 3)
+    unreserved = yard.park(yard.ticket(0.1, reserved=False), 4)
+    await yard.clock.advance(0.4)
+    handed = [yard.next_request() for _ in range(4)]
+    assert set(map(id, handed)) == set(map(id, [later, sooner, other, unreserved]))
+    handoff = yard.area.handoff
+    lent = handoff.lend(A)
+    assert lent is not None
+    assert lent.reserved
+    assert lent.due == pytest.approx(yard.clock.now - 0.4 + 0.2), "the soonest"
+    _, asks_anew = handoff.handed_out(sooner)
+    assert asks_anew is not None
+    assert (asks_anew.reserved, asks_anew.waiting_since) == (False, lent.waiting_since)
+    assert handoff.lend(A) is not None, "the next: the later one's"
+    assert handoff.lend(A) is None, "none reserved left for A"
+    kept = handoff.handed_out(other)[1]
+    assert kept is not None
+    assert kept.reserved, "another domain's moment stays its request's"
