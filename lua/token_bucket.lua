@@ -52,6 +52,8 @@
 --                   3: the domain (or another scope's bucket) is paused (set live), nothing is
 --                      taken;
 --                   4: the domain has more limits set live: call again with KEYS[2..4]
+--                   8 more (8, 9, 10) for 0, 1 and 2: as those, and the domain's limit set live
+--                      has a field that is no limit, which was ignored
 --   retry_after_us  how long until the request may go (0 when it may go now)
 --   reset_after_us  how long until the domain's bucket is full again (its key's expiry); the caller
 --                   derives the tokens left from it: burst - reset_after_us / interval
@@ -100,8 +102,8 @@ end
 -- A bucket's limit set live (the fields bucket_read returns) over the workers' interval, burst and
 -- cost. Read from Redis, checked as the arguments are: a field that is no limit (garbage, written
 -- by hand) is ignored and the workers' own applies, never an error every request would get.
--- Returns the interval, burst and cost that apply, and whether the live rate stands (its more
--- limits with it).
+-- Returns the interval, burst and cost that apply, whether the live rate stands (its more
+-- limits with it), and whether every field set ("-": none) was a limit.
 local function live_limit(interval, burst, cost, rate, live_burst)
   local live_rate, live_count = tonumber(rate), tonumber(live_burst)
   local rate_stands = live_rate and live_rate > 0 and 1000000 / live_rate > 0
@@ -109,12 +111,14 @@ local function live_limit(interval, burst, cost, rate, live_burst)
   if rate_stands then
     interval = 1000000 / live_rate
   end
-  if live_count and live_count >= 1 and live_count < math.huge
-      and live_count == math.floor(live_count) then
+  local burst_stands = live_count and live_count >= 1 and live_count < math.huge
+    and live_count == math.floor(live_count)
+  if burst_stands then
     burst = live_count
     cost = math.min(cost, burst)
   end
-  return interval, burst, cost, rate_stands
+  return interval, burst, cost, rate_stands,
+    (rate == "-" or rate_stands) and (live_burst == "-" or burst_stands)
 end
 
 -- A bucket's new time (µs, a whole number), written: it lives exactly as long as the bucket is
@@ -175,9 +179,14 @@ local tat, live, rate, live_burst, paused, live_limits = bucket_read(KEYS[1], no
 if paused == "1" then
   return {3, 0, 0, now}
 end
+-- 8 when the domain's limit set live has a field that is no limit (added to the status).
+local invalid = 0
 if live ~= "" then
-  local rate_stands
-  interval, burst, cost, rate_stands = live_limit(interval, burst, cost, rate, live_burst)
+  local rate_stands, valid
+  interval, burst, cost, rate_stands, valid = live_limit(interval, burst, cost, rate, live_burst)
+  if not valid and alone == "0" then
+    invalid = 8
+  end
   if not rate_stands or alone == "1" then
     live_limits = nil
   end
@@ -213,7 +222,12 @@ if live_limits and live_limits ~= "" then
       limits[#limits + 1] = {algorithm, count, period}
       -- As with a live burst: a request the workers' own limits let cost more goes at this cost.
       cost = math.min(cost, tonumber(count))
+    else
+      invalid = 8
     end
+  end
+  if position <= #live_limits then
+    invalid = 8  -- what follows the last limit read is none, or one too many
   end
   if #limits == 0 then
     limits = nil
@@ -383,9 +397,9 @@ end
 
 if wait > after + reserve then
   if limits then
-    return {0, wait, math.ceil(tat - now), now, 0}
+    return {invalid, wait, math.ceil(tat - now), now, 0}
   end
-  return {0, wait, math.ceil(tat - now), now}
+  return {invalid, wait, math.ceil(tat - now), now}
 end
 
 local moment = now + wait
@@ -406,9 +420,9 @@ for n, other in ipairs(other_buckets) do
 end
 if not limits then
   if wait > 0 then
-    return {2, wait, reset_after, now, step}
+    return {invalid + 2, wait, reset_after, now, step}
   end
-  return {1, wait, reset_after, now}
+  return {invalid + 1, wait, reset_after, now}
 end
 
 -- The requests each quota allows after this one, now (none when it must wait).
@@ -464,6 +478,6 @@ if longest_window > 0 then
   redis.call("PEXPIRE", KEYS[4], math.ceil((last + longest_window - now) / 1000))
 end
 if wait > 0 then
-  return {2, wait, reset_after, now, 0, step}
+  return {invalid + 2, wait, reset_after, now, 0, step}
 end
-return {1, wait, reset_after, now, math.floor(math.max(0, remaining))}
+return {invalid + 1, wait, reset_after, now, math.floor(math.max(0, remaining))}

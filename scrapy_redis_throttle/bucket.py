@@ -83,6 +83,9 @@ class AcquireResult:
     reservation: Reservation | None = None
     """Reserved in Redis: what to give back if the request does not go (see
     :meth:`TokenBucket.unreserve`)."""
+    live_invalid: bool = False
+    """The domain's limit set live has a field that is no limit: the workers' own applies for
+    it."""
 
     def decided(self, now: float) -> float:
         """When it was decided, by the loop's clock at *now*."""
@@ -96,6 +99,8 @@ _SECRET = re.compile(rb"[0-9a-f]{%d}" % (2 * SECRET_BYTES))
 # Reservations given back in one call: lua/unreserve.lua's MAX_RESERVATIONS.
 UNRESERVE_BATCH = 1000
 
+# Added to token_bucket.lua's status when the domain's limit set live has a field that is no limit.
+LIVE_INVALID = 8
 # How often the requests of a domain paused live ask whether it was resumed.
 PAUSED_POLL = 2.0
 
@@ -105,6 +110,9 @@ def parse_reply(reply: list[Any], limit: Limit, decided_at: float | None = None)
     the requests the quotas allow when it checked some, and a reservation's step), decided at
     *decided_at*."""
     status, retry_after_us, reset_after_us, now_us, *quotas_left = reply
+    live_invalid = status >= LIVE_INVALID
+    if live_invalid:
+        status -= LIVE_INVALID
     reservation = None
     if status == 2:
         reservation = Reservation(now_us + reset_after_us, quotas_left.pop(), now_us)
@@ -123,6 +131,7 @@ def parse_reply(reply: list[Any], limit: Limit, decided_at: float | None = None)
         decided_at=decided_at,
         moment_us=float(now_us + retry_after_us),
         reservation=reservation,
+        live_invalid=live_invalid,
     )
 
 

@@ -397,7 +397,7 @@ def _rows(
             {
                 "domain": state.domain,
                 "limit": str(shown) if shown else None,
-                "set": "live" if state.live else ("code" if code else None),
+                "set": "live" if state.live else _code_or_invalid(state, code),
                 "paused": bool(state.live and state.live.paused),
                 "rate": None if limit is None else limit.rate,
                 "burst": None if limit is None else limit.burst,
@@ -414,6 +414,14 @@ def _rows(
             }
         )
     return rows
+
+
+def _code_or_invalid(state: DomainState, code: Limit | None) -> str | None:
+    """Where the limit in force comes from when none is set live: ``"invalid live"`` for a live
+    limit with a field that is no limit (the workers ignore that field)."""
+    if state.live_invalid:
+        return "invalid live"
+    return "code" if code else None
 
 
 def _table(rows: list[dict[str, Any]]) -> str:

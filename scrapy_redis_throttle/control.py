@@ -139,6 +139,9 @@ class DomainState:
     """Penalties in a row (the backoff's doubling)."""
     adaptive_rate: float | None
     """The rate the adaptive rate lowered it to, now (None: not lowered)."""
+    live_invalid: bool = False
+    """A limit set live is there but has a field that is no limit: the workers ignore that
+    field (their own configuration applies for it), and :attr:`live` is None."""
 
 
 class LiveControl:
@@ -164,9 +167,11 @@ class LiveControl:
         return self._change(domain, "delete")
 
     def pause(self, domain: str) -> Change:
+        """Stop every request to *domain*, from every worker, until :meth:`resume`."""
         return self._change(domain, "pause")
 
     def resume(self, domain: str) -> Change:
+        """End a pause set live (the limit set live, if any, stays)."""
         return self._change(domain, "resume")
 
     def _change(
@@ -288,9 +293,11 @@ class LiveControl:
         tat, _, live = _text(bucket or b"").partition(" ")
         strikes, until = penalty
         where = f"{domain!r}"
+        live_limit = self._read(f"{where} live limit", LiveLimit.parse, live, absent=None)
         return DomainState(
             domain=domain,
-            live=self._read(f"{where} live limit", LiveLimit.parse, live, absent=None),
+            live=live_limit,
+            live_invalid=bool(live) and live_limit is None,
             full_in=self._read(f"{where} bucket", _seconds_to, tat or "0", absent=0.0, now=now),
             penalty_pause=self._read(
                 f"{where} pause", _seconds_to, until or "0", absent=0.0, now=now

@@ -235,6 +235,14 @@ class ResilientBucket:
             return None
         if result is None:
             return None
+        if result.live_invalid:
+            self._rejections.reject(
+                "live_limit",
+                domain,
+                "a limit set live with a field that is no limit (scrapy-redis-throttle get "
+                "names it)",
+                "that field is ignored, the workers' own limit applies for it",
+            )
         if result.allowed or result.reserved:
             # Only a call that takes tokens writes the buckets (busy_until with them): after a
             # refusal or a pause, what was taken locally is still to tell.

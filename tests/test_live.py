@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from support import (
     one_domain_jobs,
     pages,
     released,
+    run_crawl,
     start_crawl_workers,
     tool,
     wait_until,
@@ -434,10 +436,6 @@ def test_the_exporter_and_status_show_a_running_fleet(
     set live on B."""
     with redis_server.client() as client:
         LiveControl(client, "redis_throttle").set(B, 3, None)
-    settings = crawl_settings(redis_server.url, REDIS_THROTTLE_REPORT_INTERVAL=0.5)
-    workers = start_crawl_workers(
-        redis_server.url, one_domain_jobs(site, A, settings, {A: "5/s"}, 2, 15)
-    )
     exporter = subprocess.Popen(
         [
             sys.executable,
@@ -455,31 +453,68 @@ def test_the_exporter_and_status_show_a_running_fleet(
     )
     try:
         assert exporter.stdout is not None
-        url = exporter.stdout.readline().split(" at ")[-1].strip()
+        url = exporter.stdout.readline().split(" at ")[-1].strip()  # serving from then on
         assert url.endswith("/metrics"), url
+        settings = crawl_settings(redis_server.url, REDIS_THROTTLE_REPORT_INTERVAL=0.5)
+        workers = start_crawl_workers(
+            redis_server.url, one_domain_jobs(site, A, settings, {A: "5/s"}, 2, 20)
+        )
         scraped: list[Samples] = []
+        statuses: list[dict[str, Any]] = []
 
         def fleet_seen() -> bool:
             scraped.append(samples(fetch(url)))
+            done = tool("--redis-url", redis_server.url, "status", "--json")
+            assert done.returncode == 0, done.stderr
+            statuses.append(json.loads(done.stdout))
+            rows = [row for row in statuses[-1]["domains"] if row["domain"] == A]
             return (
                 value(scraped[-1], "scrapy_redis_throttle_fleet_workers") == 2
                 and value(scraped[-1], "scrapy_redis_throttle_achieved_rate", domain=A) > 0
+                and statuses[-1]["workers"] == 2
+                and bool(rows)
+                and rows[0]["achieved_rate"] > 0
             )
 
-        wait_until(fleet_seen, 30, "the exporter's view of two workers sending to A")
+        wait_until(fleet_seen, 30, "the exporter's and status's view of two workers sending to A")
         last = scraped[-1]
         assert value(last, "scrapy_redis_throttle_exporter_redis_up") == 1
         assert value(last, "scrapy_redis_throttle_live_rate", domain=B) == 3
         assert value(last, "scrapy_redis_throttle_paused_live", domain=B) == 0
-        done = tool("--redis-url", redis_server.url, "status", "--json")
-        assert done.returncode == 0, done.stderr
-        status = json.loads(done.stdout)
-        assert status["workers"] == 2
-        [a] = [row for row in status["domains"] if row["domain"] == A]
-        assert a["achieved_rate"] == a["last_minute"] / 60 > 0
+        [a] = [row for row in statuses[-1]["domains"] if row["domain"] == A]
+        assert a["achieved_rate"] == a["last_minute"] / 60
+        finish_crawl_workers(workers, 60)
     finally:
         exporter.send_signal(signal.SIGINT)
         _, errors = exporter.communicate(timeout=30)
     assert exporter.returncode == 0, errors
-    finish_crawl_workers(workers, 60)
-    assert len(site.arrivals(A)) == 30
+    assert len(site.arrivals(A)) == 40
+
+
+@async_test
+async def test_a_live_limit_with_a_field_that_is_no_limit_is_counted_named_and_shown(
+    redis_server: RedisServer, site: DemoSite, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A live limit written by hand with a negative rate and a fractional burst: the workers
+    ignore both (their own 10/s applies), count each request that met it, and say so once for
+    the domain; ``get`` shows it as invalid and names it."""
+    caplog.set_level(logging.WARNING, logger="scrapy_redis_throttle")
+    with redis_server.client() as client:
+        client.set(bucket_key("redis_throttle", A), b"0 -5 2.5 0")
+    crawler = await run_crawl(
+        crawl_settings(redis_server.url), pages(site, A, 4), redis_throttle_rates={A: "10/s"}
+    )
+    stats = crawler.stats.get_stats()
+    assert stats["redis_throttle/rejected/live_limit"] >= 4
+    warnings = [r.getMessage() for r in caplog.records if "limit set live" in r.getMessage()]
+    assert warnings == [
+        f"Redis throttle: ignored a limit set live with a field that is no limit "
+        f"(scrapy-redis-throttle get names it) from '{A}': that field is ignored, the workers' "
+        f"own limit applies for it (logged once per domain, counted in "
+        f"redis_throttle/rejected/live_limit)"
+    ]
+    assert_paced([a.time for a in site.arrivals(A)], 10, 1, A)
+    done = tool("--redis-url", redis_server.url, "get", A, "--json")
+    [row] = json.loads(done.stdout)["domains"]
+    assert (row["set"], row["limit"]) == ("invalid live", None)
+    assert f"'{A}' live limit: -5.0 is not positive" in done.stderr
