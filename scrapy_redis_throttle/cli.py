@@ -333,7 +333,10 @@ def _live_limit(
 def _print_change(domain: str, change: Change) -> None:
     print(f"{domain}: {change.live or WORKERS_OWN_LIMIT}")
     if change.void:
-        print(f"  the moments reserved for the next {change.void:.1f} s are asked for again")
+        print(
+            f"  the requests already given a turn in the next {change.void:.1f} s ask again, "
+            "under this limit"
+        )
 
 
 def _status(control: LiveControl, config: ThrottleConfig, args: argparse.Namespace) -> None:
