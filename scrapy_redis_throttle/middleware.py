@@ -11,6 +11,7 @@ reference (``docs/reference/settings.rst``); its meta keys in ``docs/reference/m
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -283,10 +284,12 @@ class RedisThrottleMiddleware:
             self.metrics.request(self._domain_of(request), UNTHROTTLED)
             self._unpaced(request)
             return None
+        lend = None
         if ticket is None and self.parking is not None and not budget.others and _robots(request):
             # Its worker's requests of the domain back from the parking area wait for it:
             # it goes at the soonest moment one of them holds (see Handoff.lend).
-            ticket = self.parking.handoff.lend(budget.domain)
+            lend = functools.partial(self.parking.handoff.lend, budget.domain)
+            ticket = lend()
         others = budget.other_names
         if ticket is not None and (
             ticket.domain != budget.domain or request.meta.get(OTHERS_META, []) != others
@@ -294,7 +297,7 @@ class RedisThrottleMiddleware:
             # Its scope names another domain now, or its other budgets changed while it was
             # parked (another proxy): its moment was not reserved in them; it asks anew.
             ticket = replace(ticket, domain=budget.domain, reserved=False)
-        park = await self.turns.take(request, budget, ticket, may_park)
+        park = await self.turns.take(request, budget, ticket, may_park, lend)
         if park is WENT:
             if self.config.download_slot is not None:
                 # Not through its domain's slot, whose per-process delay and concurrency would

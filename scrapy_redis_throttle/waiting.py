@@ -101,32 +101,37 @@ class Turns:
         """The spider closes: a request that would wait again is parked, or dropped."""
 
     async def take(
-        self, request: Request, budget: RequestBudget, ticket: Ticket | None, may_park: bool
+        self,
+        request: Request,
+        budget: RequestBudget,
+        ticket: Ticket | None,
+        may_park: bool,
+        lend: Callable[[], Ticket | None] | None = None,
     ) -> Ticket | Went:
         """Wait until *request*, drawing on *budget*, may go (:data:`WENT`), or return the
         ticket to park it with (only if it *may_park*). *ticket*: the request is back from the
-        parking area with it."""
+        parking area with it, or was lent one; *lend*: lends it another when it misses that
+        one's moment (see :meth:`.Handoff.lend`)."""
         domain, limit, others = budget.domain, budget.limit, budget.others
         with self._activity.holding(domain), self._metrics.holding(domain):
             stats = self._stats
-            # Its wait counts from its first turn, before it was parked.
-            since = self._clock.wall() if ticket is None else ticket.waiting_since
+            # Its wait counts from its first turn, before it was parked (a lent ticket's is
+            # another request's).
+            since = self._clock.wall() if ticket is None or lend else ticket.waiting_since
             # Back from the parking area with its tokens reserved: it goes at its moment.
-            if (
-                ticket is not None
-                and ticket.reserved
-                and await self._hold_until(
+            delayed = ticket is not None
+            while ticket is not None and ticket.reserved:
+                if await self._hold_until(
                     domain,
                     ticket.moment(self._bucket.server_clock(domain)),
                     ticket.moment_us,
                     ticket.reserved_at,
                     ticket.elsewhere,
                     ticket.locally,
-                )
-            ):
-                self._went(request, budget, since, True, ticket.reservation)
-                return WENT
-            delayed = ticket is not None
+                ):
+                    self._went(request, budget, since, True, ticket.reservation)
+                    return WENT
+                ticket = None if lend is None else lend()
             while True:
                 asked_at = self._clock.wall()
                 grant = await self._bucket.acquire(domain, limit, budget.cost, others)

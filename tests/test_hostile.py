@@ -45,6 +45,7 @@ from support import (
 
 from scrapy_redis_throttle.bucket import LIVE_INVALID, Reservation
 from scrapy_redis_throttle.cli import EXIT_BAD_INPUT
+from scrapy_redis_throttle.cli import main as cli_main
 from scrapy_redis_throttle.clock import Clock
 from scrapy_redis_throttle.config import ThrottleConfig
 from scrapy_redis_throttle.connection import close, connect, connect_url
@@ -822,18 +823,23 @@ RF = "xn--h1adldfi.xn--p1ai:80"
 
 
 def test_the_tool_refuses_a_url_or_a_port_and_stores_a_name_as_workers_read_it(
-    redis_server: RedisServer, tmp_path: Path
+    redis_server: RedisServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     url = ("--redis-url", redis_server.url)
+    monkeypatch.chdir(tmp_path)  # outside any Scrapy project; in this process (it refuses)
     for domain, message in (
         ("http://shop.example", "not a URL"),
         ("https://shop.example/", "not a URL"),
         (":8080", "expected a host name (or a redis_throttle_key, or a proxy's host:port), got"),
         ("shop.example:8080", "has a port, but the workers keep a site's limit under its host"),
     ):
-        done = tool(*url, "set", domain, "1/s", cwd=tmp_path)
-        assert done.returncode == EXIT_BAD_INPUT, domain
-        assert message in done.stderr, done.stderr
+        with pytest.raises(SystemExit) as exited:
+            cli_main([*url, "set", domain, "1/s"])
+        assert exited.value.code == EXIT_BAD_INPUT, domain
+        assert message in capsys.readouterr().err, domain
     done = tool(*url, "set", "Bücher.Example.", "2/s", cwd=tmp_path)
     assert (done.returncode, done.stdout) == (0, "xn--bcher-kva.example: 2/s (workers' burst)\n")
     # A proxy's budget, in a project whose scopes count proxies: its host and port, the host

@@ -11,6 +11,7 @@ from scrapy import Request
 from support import async_test
 
 from scrapy_redis_throttle.bucket import AcquireResult, Voiding
+from scrapy_redis_throttle.budgets import RequestBudget
 from scrapy_redis_throttle.config import FALLBACK_LOCAL, FALLBACK_WAIT
 from scrapy_redis_throttle.parking import RELEASE_AHEAD
 from scrapy_redis_throttle.tickets import Ticket
@@ -420,3 +421,23 @@ async def test_at_a_close_a_request_that_would_wait_again_is_parked_or_dropped()
     assert await throttle.take(request(), TWO_PER_SECOND) is WENT
     assert await throttle.take(request(), TWO_PER_SECOND) is WENT
     assert throttle.clock.now - start == pytest.approx(0.5)
+
+
+@async_test
+async def test_a_request_that_misses_a_lent_moment_is_lent_the_next() -> None:
+    """A robots.txt lent the moments of requests waiting for it (see Handoff.lend): its worker
+    too busy for the first, it goes at the next one lent, without asking Redis; its wait counts
+    from its own first turn."""
+    throttle = Throttle()
+    now, wall = throttle.clock.now, throttle.clock.wall()
+    missed = Ticket("a.example", now - 2 * MISSED_AFTER, True, False, wall, wall - 30)
+    lent = [Ticket("a.example", now + 0.4, True, False, wall, wall - 30)]
+    budget = RequestBudget("a.example", TWO_PER_SECOND)
+    turn = throttle.turns.take(
+        request(), budget, missed, False, lambda: lent.pop() if lent else None
+    )
+    assert await throttle.clock.run(turn) is WENT
+    assert throttle.clock.now == pytest.approx(now + 0.4)
+    assert throttle.bucket.calls == [], "no new moment asked for"
+    assert throttle.stat("missed_moments") == 1
+    assert throttle.stat("wait_time_max") == pytest.approx(0.4), "from its own first turn"
