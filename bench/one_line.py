@@ -11,7 +11,7 @@ three domains are limited (``redis_throttle_rates``, the spider attribute) to 0.
 * full recipe: ``ADDONS = {"scrapy_redis_throttle.Addon": 500}``, ``SCHEDULER =
   "scrapy_redis_throttle.RedisThrottleScheduler"`` and ``CONCURRENT_REQUESTS_PER_DOMAIN = 16``,
   what README's Quick start used to recommend;
-* 0.1 one-line (held): the first with ``REDIS_THROTTLE_MAX_HOLD = 1e9``, so no request is
+* one-line, all held: the first with ``REDIS_THROTTLE_MAX_HOLD = 1e9``, so no request is
   parked: waiting ones are held in the downloader, as 0.1 behaved with scrapy-redis's scheduler.
 
 Two frontiers (tests/fleet_runs.py): "even", about 12 s of work for each domain at its rate,
@@ -83,7 +83,7 @@ SETUPS: dict[str, Callable[[str], dict[str, Any]]] = {
     "one-line, per-domain 1": lambda url: one_line_settings(url, 1),
     "one-line, per-domain default": lambda url: one_line_settings(url, None),
     "full recipe": full_recipe,
-    "0.1 one-line (held)": lambda url: one_line_settings(url, 1, REDIS_THROTTLE_MAX_HOLD=1e9),
+    "one-line, all held": lambda url: one_line_settings(url, 1, REDIS_THROTTLE_MAX_HOLD=1e9),
 }
 
 
