@@ -139,8 +139,14 @@ class Turns:
                 decided = result.decided(self._clock.monotonic())
                 delayed = delayed or grant.waited_for_redis
                 paused = 0.0 if grant.shared else self._pauses.paused_for(domain)
-                if paused and self.closing:
-                    return self._leave(request, domain, limit, grant, asked_at, since, may_park)
+                if self.closing and (paused or not (result.allowed or result.reserved)):
+                    # It would wait again: parked (kept or dropped with the others at the close),
+                    # or dropped, so that the close does not wait for it.
+                    if not may_park:
+                        raise DroppedAtClose(
+                            f"the spider closes; it would wait again for {domain!r}"
+                        )
+                    return self._park(request, domain, limit, grant, asked_at, since)
                 if paused:
                     # Without Redis no bucket holds the pause back: this worker does.
                     delayed = True
@@ -156,8 +162,6 @@ class Turns:
                 if result.paused and grant.shared:
                     stats.inc_value(f"{STATS_PREFIX}/paused_live")
                     self._metrics.paused(domain, PAUSED_LIVE)
-                if self.closing and not result.reserved:
-                    return self._leave(request, domain, limit, grant, asked_at, since, may_park)
                 if may_park and result.retry_after > self._config.max_hold:
                     return self._park(request, domain, limit, grant, asked_at, since)
                 if grant.handover:
@@ -312,22 +316,6 @@ class Turns:
         total_key = f"{STATS_PREFIX}/wait_time_total"
         stats.set_value(total_key, stats.get_value(total_key, 0.0) + waited)
         stats.max_value(f"{STATS_PREFIX}/wait_time_max", waited)
-
-    def _leave(
-        self,
-        request: Request,
-        domain: str,
-        limit: Limit,
-        grant: Grant,
-        asked_at: float,
-        since: float,
-        may_park: bool,
-    ) -> Ticket:
-        """At the close, for a request that would wait again: its ticket to park it (the
-        parking area keeps or drops it with the others), or :exc:`DroppedAtClose`."""
-        if may_park:
-            return self._park(request, domain, limit, grant, asked_at, since)
-        raise DroppedAtClose(f"the spider closes; it would wait again for {domain!r}")
 
     def _park(
         self,

@@ -15,12 +15,15 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from scrapy import Request, Spider
+from scrapy.addons import AddonManager
 from scrapy.core.scheduler import BaseScheduler
+from scrapy.crawler import Crawler
 from scrapy.settings import Settings
 from scrapy.statscollectors import MemoryStatsCollector
 from scrapy.utils.test import get_crawler
 
 from scrapy_redis_throttle.activity import Activity
+from scrapy_redis_throttle.addon import Addon
 from scrapy_redis_throttle.bucket import AcquireResult, Reservation, Unreserved, Voiding
 from scrapy_redis_throttle.budgets import Budget, RequestBudget
 from scrapy_redis_throttle.clock import Clock
@@ -414,3 +417,12 @@ class ListScheduler(BaseScheduler):
 
     def __len__(self) -> int:
         return len(self.queue)
+
+
+def with_addon(**project: Any) -> Settings:
+    """The settings of a project with *project*'s settings and the add-on, once it updated
+    them."""
+    settings = Settings()
+    settings.setdict({"ADDONS": {Addon: 100}, **project}, priority="project")
+    AddonManager(Crawler(Spider, settings)).load_settings(settings)
+    return settings

@@ -5,13 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from scrapy import Spider
-from scrapy.addons import AddonManager
-from scrapy.crawler import Crawler
+from fakes import with_addon
 from scrapy.exceptions import NotConfigured
 from scrapy.settings import Settings
 
-from scrapy_redis_throttle.addon import Addon
 from scrapy_redis_throttle.config import Adaptive, Backoff, ThrottleConfig, needs_extra
 from scrapy_redis_throttle.connection import ClusterClient, connect
 from scrapy_redis_throttle.errors import ThrottleConfigError
@@ -505,15 +502,8 @@ def test_a_setting_that_needs_a_missing_extra_says_what_to_install() -> None:
         needs_extra("REDIS_THROTTLE_METRICS_PORT", "not_installed_here.client", "metrics")
 
 
-def _with_addon(**project: Any) -> Settings:
-    settings = Settings()
-    settings.setdict({"ADDONS": {Addon: 100}, **project}, priority="project")
-    AddonManager(Crawler(Spider, settings)).load_settings(settings)
-    return settings
-
-
 def test_the_addon_gives_the_paced_requests_a_download_slot_without_delay() -> None:
-    settings = _with_addon(
+    settings = with_addon(
         DOWNLOAD_DELAY=1,
         CONCURRENT_REQUESTS=24,
         CONCURRENT_REQUESTS_PER_DOMAIN=1,
@@ -529,10 +519,10 @@ def test_the_addon_gives_the_paced_requests_a_download_slot_without_delay() -> N
 
 
 def test_a_project_keeps_both_layers_or_names_its_own_slot() -> None:
-    both = _with_addon(REDIS_THROTTLE_DOWNLOAD_SLOT=None)
+    both = with_addon(REDIS_THROTTLE_DOWNLOAD_SLOT=None)
     assert both.getdict("DOWNLOAD_SLOTS") == {}
     assert ThrottleConfig.from_settings(both).download_slot is None
-    own = _with_addon(
+    own = with_addon(
         REDIS_THROTTLE_DOWNLOAD_SLOT="mine", DOWNLOAD_SLOTS={"mine": {"concurrency": 4}}
     )
     assert own.getdict("DOWNLOAD_SLOTS") == {"mine": {"concurrency": 4}}

@@ -4,18 +4,14 @@ the settings the add-on writes for it. On a fake clock, with a scheduler of a li
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
-from fakes import ListScheduler, Yard
+from fakes import ListScheduler, Yard, with_addon
 from scrapy import Request, Spider
-from scrapy.addons import AddonManager
-from scrapy.crawler import Crawler
 from scrapy.settings import Settings
 from scrapy.utils.defer import maybe_deferred_to_future
 from support import async_test
 
-from scrapy_redis_throttle import Addon, ParkingScheduler, ThrottleConfigError
+from scrapy_redis_throttle import ParkingScheduler, ThrottleConfigError
 from scrapy_redis_throttle.config import inner_scheduler
 from scrapy_redis_throttle.engine_hooks import bind_parking
 
@@ -122,13 +118,6 @@ async def test_bound_onto_the_project_scheduler_it_decides_the_same() -> None:
     assert inner.next_request() is parked
     assert inner.next_request().url == "http://b.example/own"  # type: ignore[union-attr]
     assert inner.next_request() is None
-
-
-def with_addon(**project: Any) -> Settings:
-    settings = Settings()
-    settings.setdict({"ADDONS": {Addon: 100}, **project}, priority="project")
-    AddonManager(Crawler(Spider, settings)).load_settings(settings)
-    return settings
 
 
 def test_the_addon_composes_the_projects_scheduler_with_parking() -> None:
