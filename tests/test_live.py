@@ -40,6 +40,7 @@ from support import (
 )
 
 from scrapy_redis_throttle.cli import EXIT_BAD_INPUT, EXIT_REDIS_FAILED
+from scrapy_redis_throttle.cli import main as cli_main
 from scrapy_redis_throttle.control import LiveControl, LiveLimit
 from scrapy_redis_throttle.redis_schema import (
     bucket_key,
@@ -315,11 +316,21 @@ def test_the_tool_prints_json_for_machines(redis_server: RedisServer) -> None:
     ],
 )  # fmt: skip
 def test_the_tool_refuses_bad_input(
-    redis_server: RedisServer, args: list[str], message: str
+    redis_server: RedisServer,
+    args: list[str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    done = tool("--redis-url", redis_server.url, *args, cwd=EXAMPLE_PROJECT)
-    assert done.returncode == EXIT_BAD_INPUT
-    assert message in done.stderr
+    """In this process (a refusal ends before Redis is called), in the example project: what
+    the tool reads of the project is set back after it."""
+    monkeypatch.chdir(EXAMPLE_PROJECT)
+    monkeypatch.setenv("SCRAPY_SETTINGS_MODULE", "shop.settings")
+    monkeypatch.syspath_prepend(str(EXAMPLE_PROJECT))
+    with pytest.raises(SystemExit) as exited:
+        cli_main(["--redis-url", redis_server.url, *args])
+    assert exited.value.code == EXIT_BAD_INPUT
+    assert message in capsys.readouterr().err
 
 
 def test_the_tool_takes_its_options_before_or_after_the_command(

@@ -471,7 +471,9 @@ def test_status_shows_the_fleets_activity(redis_server: RedisServer) -> None:
     and those waiting, added up."""
     with DemoSite(HOSTS, pages=20) as site:
         settings = crawl_settings(redis_server.url, REDIS_THROTTLE_REPORT_INTERVAL=0.2)
-        jobs = one_domain_jobs(site, A, settings, {A: "2/s"}, 2, 6)
+        # 8 pages each: at 2/s, the fleet has requests gone and waiting for some 6 s, several
+        # of the tool's looks even under load.
+        jobs = one_domain_jobs(site, A, settings, {A: "2/s"}, 2, 8)
         workers = start_crawl_workers(redis_server.url, jobs)
         lines: list[str] = []
 
