@@ -45,12 +45,12 @@ class SlotCaps:
         having taken *latency* seconds (None: not known)."""
         if domain in self._warned or len(self._warned) >= LOGGED_DOMAINS:
             return
-        cap = self._cap(latency)
+        workers = self._fleet_size() or 1
+        cap = self._cap(workers, latency)
         if cap is None or cap[0] >= limit.sustained_rate:
             return
         self._warned.add(domain)
         rate, setting, per_worker = cap
-        workers = self._fleet_size() or 1
         logger.warning(
             "Redis throttle: %(setting)s lets each worker send %(domain)r %(per_worker)s: with "
             "%(workers)d worker(s), at most %(rate)s, below its shared limit %(limit)s; remove "
@@ -67,11 +67,10 @@ class SlotCaps:
             extra=self._log_extra(),
         )
 
-    def _cap(self, latency: float | None) -> tuple[float, str, str] | None:
-        """The lowest cap of the fleet on a domain (requests per second), its setting, and
-        what it lets one worker do."""
+    def _cap(self, workers: int, latency: float | None) -> tuple[float, str, str] | None:
+        """The lowest cap of a fleet of *workers* on a domain (requests per second), its
+        setting, and what it lets one worker do."""
         crawl = self._crawl
-        workers = self._fleet_size() or 1
         caps = []
         if crawl.download_delay > 0:
             caps.append(
