@@ -41,11 +41,6 @@ class LocalBuckets:
         # The domains this process took tokens of locally and has not told Redis of since, by
         # the number of their last local take (a take after a call was sent is told by the next).
         self._untold: dict[str, int] = {}
-        # Until when (clock time) the tokens this process took of each domain locally keep its
-        # bucket busy: their requests go, whatever Redis lost.
-        self._taken_until: dict[str, float] = {}
-        # The time a request took of each bucket seen (at its rate, not a limit set live).
-        self._step: dict[str, float] = {}
         self._takes = 0
         self._prune_size = LOCAL_PRUNE_SIZE
 
@@ -55,25 +50,22 @@ class LocalBuckets:
     def follow(
         self,
         domain: str,
-        limit: Limit,
         shared: AcquireResult,
         others: Sequence[Budget] = (),
         cost: float = 1,
     ) -> None:
-        """Record *shared*, Redis's decision for a request of *domain* under *limit* (and for its
+        """Record *shared*, Redis's decision for a request of *domain* (and for its
         *others* scopes, whose buckets are full again at least the request's own time after its
         moment)."""
         now = self._clock()
         decided = shared.decided(now)
         full_at = decided + shared.reset_after
         self._full_at[domain] = max(self._full_at.get(domain, now), full_at)
-        self._step[domain] = cost / limit.rate
         if shared.allowed or shared.reserved:
             moment = decided + shared.retry_after
             for name, each in others:
                 taken = moment + cost / each.rate
                 self._full_at[name] = max(self._full_at.get(name, now), taken)
-                self._step[name] = cost / each.rate
         self._prune(now)
 
     def seen(self, domain: str) -> bool:
@@ -85,8 +77,6 @@ class LocalBuckets:
         """A copy of these buckets as they are now, which goes its own way from here."""
         copy = LocalBuckets(self._clock)
         copy._full_at = dict(self._full_at)
-        copy._taken_until = dict(self._taken_until)
-        copy._step = dict(self._step)
         return copy
 
     def forget(self, domain: str) -> None:
@@ -94,8 +84,6 @@ class LocalBuckets:
         what this process saw of it must not be sent back as :meth:`busy_until`."""
         self._full_at.pop(domain, None)
         self._untold.pop(domain, None)
-        self._taken_until.pop(domain, None)
-        self._step.pop(domain, None)
 
     def busy_until(self, domain: str) -> float:
         """Until when (clock time) the tokens this process took of *domain* locally, or saw
@@ -117,28 +105,12 @@ class LocalBuckets:
                 self._untold[domain] = self._takes
 
     def lost(self) -> None:
-        """Redis lost what it held (restarted empty): the moments seen reserved there from now
-        on are void (their requests ask anew), and are not told to the new buckets, which would
-        then stand idle until they end. Those before went: a bucket seen busy is told busy for
-        one more request's time (its last moment may have been just now). The tokens taken
-        locally still hold (their requests go): they are told again, even those told before,
-        to the Redis that lost them."""
-        now = self._clock()
-        kept = {}
-        for domain, at in self._full_at.items():
-            went = min(at, now + self._step.get(domain, 0.0))
-            kept[domain] = max(went, self._taken_until.get(domain, 0.0))
-        self._full_at = {domain: at for domain, at in kept.items() if at > now}
-        self._taken_until = {
-            domain: at for domain, at in self._taken_until.items() if domain in self._full_at
-        }
-        self._step = {
-            domain: step for domain, step in self._step.items() if domain in self._full_at
-        }
-        self._untold = {}
-        for domain in self._full_at:
-            self._takes += 1
-            self._untold[domain] = self._takes
+        """Redis lost what it held (restarted empty): every moment reserved before, there or
+        in this process alone, is void (its request asks anew), and none is told to the new
+        buckets, which would stand idle for it. What went before is told as one bound by
+        :class:`.ResilientBucket`: each bucket counts as drained when the loss was read."""
+        self._full_at.clear()
+        self._untold.clear()
 
     def untold(self, domains: Iterable[str]) -> dict[str, int]:
         """Which of *domains* have a :meth:`busy_until` to tell Redis of, as :meth:`told` takes
@@ -188,7 +160,6 @@ class LocalBuckets:
             self._full_at[name] = max(each_full_at, now + wait) + cost * each_interval
             self._takes += 1
             self._untold[name] = self._takes
-            self._taken_until[name] = self._full_at[name]
         self._prune(now)
         new_full_at = self._full_at[domain]
         return AcquireResult(
@@ -205,11 +176,5 @@ class LocalBuckets:
         self._full_at = {domain: at for domain, at in self._full_at.items() if at > now}
         self._untold = {
             domain: take for domain, take in self._untold.items() if domain in self._full_at
-        }
-        self._taken_until = {
-            domain: at for domain, at in self._taken_until.items() if domain in self._full_at
-        }
-        self._step = {
-            domain: step for domain, step in self._step.items() if domain in self._full_at
         }
         self._prune_size = max(LOCAL_PRUNE_SIZE, 2 * len(self._full_at))

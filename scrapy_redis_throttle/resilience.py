@@ -87,8 +87,12 @@ class ResilientBucket:
         clock: Clock,
         fleet_size: Callable[[], int | None] = lambda: None,
         bucket: TokenBucket | None = None,
+        release_lost: Callable[[float], None] = lambda heard: None,
     ) -> None:
+        """*release_lost*: brings the parked requests whose moments were reserved before
+        *heard* (wall time) back at once, to ask anew (see :meth:`.ParkingArea.void`)."""
         self._redis = redis
+        self._release_lost = release_lost
         self._clock = clock
         # The scripts' calls (a test passes its own).
         self._bucket = bucket or TokenBucket(
@@ -162,6 +166,7 @@ class ResilientBucket:
         self._lost_at = (self._clock.wall(), self._clock.monotonic())
         self._stats.inc_value(f"{STATS_PREFIX}/state_lost")
         self.fallback.redis_lost()
+        self._release_lost(self._lost_at[0])
         logger.warning(
             "Redis throttle: Redis at %s lost the throttle's state (restarted empty, or its keys "
             "were deleted): the requests that waited for moments reserved there before ask for "
@@ -171,13 +176,24 @@ class ResilientBucket:
         )
 
     def lost(self, reserved_at: float, elsewhere: bool = False) -> bool:
-        """Whether a moment reserved in Redis at *reserved_at* (wall time; *elsewhere*: by
-        another process, whose clock may differ by up to CLOCK_MARGIN) was reserved before
-        Redis lost the throttle's state, as far as this worker has read (see
-        :meth:`check_state`). Its bucket may give it to another request: it must not be used."""
+        """Whether a moment reserved at *reserved_at* (wall time; *elsewhere*: by another
+        process, whose clock may differ by up to CLOCK_MARGIN) was reserved before Redis lost
+        the throttle's state, as far as this worker has read (see :meth:`check_state`). It
+        must not be used: its bucket may give a moment reserved there to another request, and
+        one taken alone while Redis failed was placed after moments that are no more."""
         if self._lost_at is None:
             return False
         return reserved_at < self._lost_at[0] + (CLOCK_MARGIN if elsewhere else 0.0)
+
+    def _drained_until(self, limit: Limit) -> float:
+        """Until when (loop time; 0: not later than now) a bucket of *limit* counts as busy
+        after Redis lost the throttle's state: drained when this worker read the loss. The
+        fleet may have spent the whole burst just before, and nothing in Redis says otherwise;
+        every moment reserved before is void (see :meth:`lost`), so none goes after that."""
+        if self._lost_at is None:
+            return 0.0
+        until = self._lost_at[1] + limit.burst / limit.rate
+        return until if until > self._clock.monotonic() else 0.0
 
     async def acquire(
         self,
@@ -226,8 +242,11 @@ class ResilientBucket:
                     limit,
                     cost,
                     self._config.max_reserve,
-                    busy_until=local.busy_until(domain),
-                    others=[(name, each, local.busy_until(name)) for name, each in others],
+                    busy_until=max(local.busy_until(domain), self._drained_until(limit)),
+                    others=[
+                        (name, each, max(local.busy_until(name), self._drained_until(each)))
+                        for name, each in others
+                    ],
                 ),
                 also=[name for name, _ in others],
             )
@@ -247,7 +266,7 @@ class ResilientBucket:
             # Only a call that takes tokens writes the buckets (busy_until with them): after a
             # refusal or a pause, what was taken locally is still to tell.
             local.told(untold)
-        local.follow(domain, limit, result, others, cost)
+        local.follow(domain, result, others, cost)
         if openings != self._openings and self._config.on_redis_error == FALLBACK_LOCAL:
             # Redis answered a call sent before it failed: its moment was chosen without what
             # the fallback gave out meanwhile, and may collide with it. The request goes by the

@@ -322,9 +322,10 @@ def test_a_voiding_brings_back_the_requests_parked_in_redis_with_moments_it_void
     redis_server: RedisServer,
 ) -> None:
     """void_parked.lua: the requests parked with a reserved moment of the key, up to the
-    voiding's end, reserved before it, become due now and marked to ask again ("a"); the
-    others keep their moments, and their place in the index. It goes in batches, each on from
-    where the last one stopped; a second worker that heard the same voiding finds nothing."""
+    voiding's end, reserved before it, become due now (in the order of their moments) and
+    marked to ask again ("a"); the others keep their moments, and their place in the index. It
+    goes in batches, each on from where the last one stopped; a second worker that heard the
+    same voiding finds nothing."""
     keys = ("shop:requests:parked", "shop:requests:parked:moments")
     heard = time.time()
     void = [parked_member(b"r", SLOW, b"void %d" % n, heard - 1) for n in range(5)]
@@ -356,8 +357,8 @@ def test_a_voiding_brings_back_the_requests_parked_in_redis_with_moments_it_void
         assert voiding() == (0, 1), "the same voiding, heard by another worker"
         assert client.zcard(keys[1]) == 3
         reply = client.eval(load_script("unpark.lua"), 2, *keys, "0", "100")
-        assert sorted(reply[3::2]) == sorted(b"a" + parked[1:] for parked in void)
-        assert all(-1000 < float(due_in) <= 0 for due_in in reply[4::2]), "due now"
+        assert reply[3::2] == [b"a" + parked[1:] for parked in void], "in their moments' order"
+        assert all(float(due_in) <= 0 for due_in in reply[4::2]), "due now"
         assert client.zcard(keys[0]) == 4
         assert client.zcard(keys[1]) == 3, "the others keep their moments"
 
@@ -382,6 +383,40 @@ def test_a_voiding_brings_back_the_requests_parked_in_redis_with_moments_it_void
             void_parked(SLOW, "1", "0", free, "2")  # not SLOW's entry
         with pytest.raises(redis.ResponseError, match="not a parked request"):
             client.eval(load_script("park.lua"), 2, *keys, "0", b"a" + void[0][1:])
+
+
+def test_redis_lost_brings_back_every_key_s_requests_parked_with_moments_reserved_before(
+    redis_server: RedisServer,
+) -> None:
+    """void_parked.lua with no key (Redis lost the throttle's state): the requests of every key
+    parked with a moment reserved before, whatever their moments, become due now, in the order
+    of their moments across keys; those reserved after, or not reserved, stay."""
+    keys = ("shop:requests:parked", "shop:requests:parked:moments")
+    heard = time.time()
+    parks = [
+        (parked_member(b"r", SLOW, b"slow 100 s", heard - 1), 100),
+        (parked_member(b"r", FREE, b"free 30 s", heard - 1), 30),
+        (parked_member(b"r", SLOW, b"slow 250 s", heard - 1), 250),
+        (parked_member(b"r", FREE, b"free 5 s", heard - 1), 5),
+        (parked_member(b"r", FREE, b"reserved after", heard + 0.5), 1),
+        (parked_member(b"u", SLOW, b"not reserved", heard - 1), 2),
+    ]
+    with redis_server.client() as client:
+        for parked, delay in parks:
+            client.eval(load_script("park.lua"), 2, *keys, repr(delay * 1e6), parked)
+        released, calls, last = 0, 0, b""
+        while True:
+            args = ["", "300000000", b"%d" % (heard * 1e6), last, "3"]
+            reply = client.eval(load_script("void_parked.lua"), 2, *keys, *args)
+            released, calls, last = released + reply[0], calls + 1, reply[1]
+            if not last:
+                break
+        assert (released, calls) == (4, 2), "5 index entries, 3 a call"
+        reply = client.eval(load_script("unpark.lua"), 2, *keys, "0", "100")
+        order = [parks[n][0] for n in (3, 1, 0, 2)]
+        assert reply[3::2] == [b"a" + parked[1:] for parked in order], "in their moments' order"
+        assert client.zcard(keys[0]) == 2, "reserved after, and not reserved, stay"
+        assert client.zcard(keys[1]) == 1
 
 
 def test_a_park_that_waited_its_turn_counts_its_delay_from_when_it_was_asked(
@@ -519,13 +554,19 @@ async def test_a_voiding_brings_back_the_requests_parked_in_memory_with_moments_
     assert await store.release_voided(SLOW, heard, now + 60) == 5
     assert await store.release_voided(SLOW, heard, now + 60) == 0
     due, next_due = await store.unpark(0, 100)
-    assert sorted(request.url for request, _ in due) == [
-        f"http://{SLOW}/void-{n}" for n in range(5)
-    ]
+    assert [request.url for request, _ in due] == [f"http://{SLOW}/void-{n}" for n in range(5)]
     assert all(not ticket.reserved and ticket.due <= now + 1 for _, ticket in due)
     assert next_due is not None
     assert 9 < next_due <= 10
     assert store.parked == 4
+    # Redis lost the throttle's state: every key's moments reserved before, in their order.
+    assert await store.release_voided(None, heard, now + 300) == 2
+    due, _ = await store.unpark(0, 100)
+    assert [request.url for request, _ in due] == [
+        f"http://{FREE}/another-key",
+        f"http://{SLOW}/due-after-its-end",
+    ]
+    assert store.parked == 2
 
 
 @pytest.mark.parametrize("scheduler", ["scrapy", "scrapy-redis-priority"])

@@ -293,6 +293,10 @@ class FlakyScripts:
     ) -> AcquireResult:
         self.calls.append((domain, busy_until))
         self._answer()
+        # As token_bucket.lua: a bucket is not full before its busy_until.
+        full_at = self.bucket._full_at
+        for name, busy in ((domain, busy_until), *((name, busy) for name, _, busy in others)):
+            full_at[name] = max(full_at.get(name, 0.0), busy)
         budgets = [Budget(name, each) for name, each, _ in others]
         return self.bucket.acquire(domain, limit, cost, reserve, 1, budgets)
 
@@ -312,11 +316,15 @@ class FlakyScripts:
 
 
 def resilient_bucket(
-    clock: FakeClock, fleet: int | None = 2, **settings: Any
+    clock: FakeClock,
+    fleet: int | None = 2,
+    scripts: FlakyScripts | None = None,
+    release_lost: Callable[[float], None] = lambda heard: None,
+    **settings: Any,
 ) -> tuple[ResilientBucket, FlakyScripts, MemoryStatsCollector]:
     """A :class:`.ResilientBucket` on *clock* in a fleet of *fleet* workers, with
-    :class:`FlakyScripts` for its calls."""
-    scripts = FlakyScripts(clock)
+    :class:`FlakyScripts` for its calls (*scripts*: those of another worker, the same Redis)."""
+    scripts = scripts or FlakyScripts(clock)
     collector = stats()
     bucket = ResilientBucket(
         Redis(port=1),  # never called: the scripts stand in
@@ -326,6 +334,7 @@ def resilient_bucket(
         clock,
         fleet_size=lambda: fleet,
         bucket=scripts,  # type: ignore[arg-type]
+        release_lost=release_lost,
     )
     return bucket, scripts, collector
 

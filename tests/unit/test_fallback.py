@@ -5,6 +5,7 @@ fake clock and a stand-in for the scripts' calls that fails when told to."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 from fakes import FakeClock, limit, resilient_bucket
@@ -24,9 +25,9 @@ TEN_PER_SECOND = limit("10/s")
 FULL = AcquireResult(allowed=True, reserved=False, tokens_left=1, retry_after=0, reset_after=0)
 
 
-def seen(bucket: ResilientBucket, domain: str = A, of: Limit = TEN_PER_SECOND) -> None:
+def seen(bucket: ResilientBucket, domain: str = A) -> None:
     """As if *bucket* had called Redis for *domain*, whose bucket was full then."""
-    bucket.fallback.local.follow(domain, of, FULL)
+    bucket.fallback.local.follow(domain, FULL)
 
 
 def test_breaker_opens_once_and_probes_with_a_growing_delay() -> None:
@@ -90,7 +91,7 @@ def test_local_buckets_start_where_the_shared_bucket_was() -> None:
     local = LocalBuckets(clock.monotonic)
     shared = AcquireResult(allowed=False, reserved=True, tokens_left=0, retry_after=0.9,
                            reset_after=1.0)  # fmt: skip
-    local.follow("a.example", Limit(10, 1, "10/s"), shared)
+    local.follow("a.example", shared)
     result = local.acquire("a.example", Limit(10, 1, "10/s"), cost=1, reserve=5, workers=1)
     assert result.retry_after == pytest.approx(1.0), "after the tokens Redis already gave out"
 
@@ -105,7 +106,7 @@ def test_only_tokens_taken_locally_are_told_to_redis_once() -> None:
     limit = Limit(10, 1, "10/s")
     shared = AcquireResult(allowed=True, reserved=False, tokens_left=0, retry_after=0,
                            reset_after=1.0)  # fmt: skip
-    local.follow("a.example", Limit(10, 1, "10/s"), shared)
+    local.follow("a.example", shared)
     assert local.busy_until("a.example") == 0, "Redis's own view"
     local.acquire("a.example", limit, 1, reserve=5, workers=1)
     assert local.busy_until("a.example") == pytest.approx(clock.now + 1.1), (
@@ -125,7 +126,7 @@ def test_only_tokens_taken_locally_are_told_to_redis_once() -> None:
     assert local.busy_until("a.example") == 0
     # Redis failed: what was seen busy in it is told again (it may have lost it); not a bucket
     # full again by then.
-    local.follow("b.example", Limit(10, 1, "10/s"), shared)
+    local.follow("b.example", shared)
     clock.now += 0.5
     local.tell_again()
     assert local.busy_until("a.example") == 0
@@ -336,7 +337,7 @@ async def test_what_was_taken_during_the_outage_is_told_until_a_call_takes_token
 def test_the_policy_says_what_requests_do_while_redis_fails(
     policy: str, fleet: int | None, workers: int | None, said: str
 ) -> None:
-    settings: dict[str, object] = {"REDIS_THROTTLE_ON_REDIS_ERROR": policy}
+    settings: dict[str, Any] = {"REDIS_THROTTLE_ON_REDIS_ERROR": policy}
     if workers is not None:
         settings["REDIS_THROTTLE_FALLBACK_WORKERS"] = workers
     bucket, _, _ = resilient_bucket(FakeClock(), fleet, **settings)
