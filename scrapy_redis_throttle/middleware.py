@@ -72,8 +72,6 @@ class RedisThrottleMiddleware:
         self.stats = crawler.stats
         self.clock = Clock()
         self.redis = connect(self.config)
-        # No pause is longer, nor any moment further ahead.
-        self._longest = max(self.config.backoff.longest, self.config.max_reserve)
         self.activity = Activity(
             self.redis,
             self.config.key_prefix,
@@ -89,9 +87,6 @@ class RedisThrottleMiddleware:
             self._log_extra,
             self.clock,
             fleet_size=lambda: self.activity.fleet_size,
-            release_lost=lambda heard: self._release_parked(
-                None, heard, self.clock.monotonic() + self._longest
-            ),
         )
         self.metrics = ThrottleMetrics(
             self.config.metrics.on,
@@ -131,7 +126,8 @@ class RedisThrottleMiddleware:
             self._log_extra,
             forget=self.bucket.fallback.local.forget,
             release_parked=self._release_parked,
-            longest=self._longest,
+            # No pause is longer, nor any moment further ahead.
+            longest=max(self.config.backoff.longest, self.config.max_reserve),
             clock=self.clock,
             check_state=self.bucket.check_state,
         )
@@ -187,7 +183,7 @@ class RedisThrottleMiddleware:
         await self.bucket.aclose()
         await close(self.redis)
 
-    def _release_parked(self, domain: str | None, heard: float, until: float) -> None:
+    def _release_parked(self, domain: str, heard: float, until: float) -> None:
         if self.parking is not None:
             self.parking.void(domain, heard, until)
 

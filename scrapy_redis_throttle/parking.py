@@ -104,17 +104,17 @@ class ParkingArea:
         self._next_look = 0.0  # monotonic time of the release loop's next look, while it waits
         self._unpark_failing = False
         self._void_failing = False
-        # Voidings not yet passed on to the store: domain (None: every one) -> (heard, until).
-        self._voidings: dict[str | None, tuple[float, float]] = {}
+        # Voidings not yet passed on to the store: domain -> (heard, until).
+        self._voidings: dict[str, tuple[float, float]] = {}
         self._concurrency = concurrency
         self._unreserve = unreserve
         self._releaser = asyncio.ensure_future(self._release_loop())
 
-    def void(self, domain: str | None, heard: float, until: float) -> None:
-        """The moments of *domain* (None: of every domain, Redis lost them) up to *until* (loop
-        time) reserved before *heard* (wall time) are void (see :meth:`.Pauses.pause`): the
-        requests parked with one come back at once, in the order of their moments, to ask
-        again, as held ones do, not at their old moments."""
+    def void(self, domain: str, heard: float, until: float) -> None:
+        """The moments of *domain* up to *until* (loop time) reserved before *heard* (wall time)
+        are void (see :meth:`.Pauses.pause`): the requests parked with one come back at once,
+        in the order of their moments, to ask again, as held ones do, not at their old
+        moments."""
         if (known := self._voidings.get(domain)) is not None:
             # Two voidings passed on as one that covers both (and errs on the polite side: a
             # moment reserved between them, after the first one's end, asks again too).
@@ -225,10 +225,10 @@ class ParkingArea:
             if released:
                 self._crawler.stats.inc_value(f"{STATS_PREFIX}/paused_reservations", released)
                 logger.debug(
-                    "Redis throttle: %d requests parked for %s come back to ask again: their "
+                    "Redis throttle: %d requests parked for %r come back to ask again: their "
                     "moments were voided",
                     released,
-                    "every domain" if domain is None else repr(domain),
+                    domain,
                 )
 
     async def _release_due(self) -> float:

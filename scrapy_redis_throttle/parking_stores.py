@@ -53,10 +53,10 @@ class ParkingStore(Protocol):
         its ticket, and the seconds until the next one left is due."""
         ...
 
-    async def release_voided(self, domain: str | None, heard: float, until: float) -> int:
-        """Make the requests of *domain* (None: of every domain) parked with a moment up to
-        *until* (loop time) reserved before *heard* (wall time) due now, in the order of their
-        moments, to ask again (see :meth:`.Pauses.pause`); return how many."""
+    async def release_voided(self, domain: str, heard: float, until: float) -> int:
+        """Make the requests of *domain* parked with a moment up to *until* (loop time) reserved
+        before *heard* (wall time) due now, in the order of their moments, to ask again (see
+        :meth:`.Pauses.pause`); return how many."""
         ...
 
     async def close(self, keep: bool) -> Closed:
@@ -97,11 +97,10 @@ class MemoryParking:
             due.append((request, ticket))
         return due, (self._heap[0][0] - now if self._heap else None)
 
-    async def release_voided(self, domain: str | None, heard: float, until: float) -> int:
+    async def release_voided(self, domain: str, heard: float, until: float) -> int:
         void = {
-            order: name
-            for name in (list(self._reserved) if domain is None else [domain])
-            for order, (due, _, _, ticket) in self._reserved.get(name, {}).items()
+            order
+            for order, (due, _, _, ticket) in self._reserved.get(domain, {}).items()
             if due <= until and ticket.reserved_at < heard
         }
         if not void:
@@ -113,7 +112,7 @@ class MemoryParking:
         for entry in self._heap:
             due, order, request, ticket = entry
             if order in void:
-                self._unindex(void[order], order)
+                self._unindex(domain, order)
                 entry = (due - early, order, request, replace(ticket, due=now, reserved=False))
             kept.append(entry)
         heapq.heapify(kept)

@@ -196,10 +196,9 @@ class RedisParking:
             due.append((request, ticket))
         return due, (next_due / 1000 if next_due >= 0 else None)
 
-    async def release_voided(self, domain: str | None, heard: float, until: float) -> int:
-        # b"": every domain's.
-        domain_bytes = b"" if domain is None else _indexed_domain(domain)
-        if domain is not None and not domain_bytes:
+    async def release_voided(self, domain: str, heard: float, until: float) -> int:
+        domain_bytes = _indexed_domain(domain)
+        if not domain_bytes:
             return 0  # never indexed (see park)
         # Parked by any worker of the fleet, whose clock may differ from this one's.
         reserved_before = b"%d" % max(0, int((heard + CLOCK_MARGIN) * 1e6))

@@ -87,12 +87,8 @@ class ResilientBucket:
         clock: Clock,
         fleet_size: Callable[[], int | None] = lambda: None,
         bucket: TokenBucket | None = None,
-        release_lost: Callable[[float], None] = lambda heard: None,
     ) -> None:
-        """*release_lost*: brings the parked requests whose moments were reserved before
-        *heard* (wall time) back at once, to ask anew (see :meth:`.ParkingArea.void`)."""
         self._redis = redis
-        self._release_lost = release_lost
         self._clock = clock
         # The scripts' calls (a test passes its own).
         self._bucket = bucket or TokenBucket(
@@ -166,7 +162,6 @@ class ResilientBucket:
         self._lost_at = (self._clock.wall(), self._clock.monotonic())
         self._stats.inc_value(f"{STATS_PREFIX}/state_lost")
         self.fallback.redis_lost()
-        self._release_lost(self._lost_at[0])
         logger.warning(
             "Redis throttle: Redis at %s lost the throttle's state (restarted empty, or its keys "
             "were deleted): the requests that waited for moments reserved there before ask for "

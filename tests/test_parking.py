@@ -385,40 +385,6 @@ def test_a_voiding_brings_back_the_requests_parked_in_redis_with_moments_it_void
             client.eval(load_script("park.lua"), 2, *keys, "0", b"a" + void[0][1:])
 
 
-def test_redis_lost_brings_back_every_key_s_requests_parked_with_moments_reserved_before(
-    redis_server: RedisServer,
-) -> None:
-    """void_parked.lua with no key (Redis lost the throttle's state): the requests of every key
-    parked with a moment reserved before, whatever their moments, become due now, in the order
-    of their moments across keys; those reserved after, or not reserved, stay."""
-    keys = ("shop:requests:parked", "shop:requests:parked:moments")
-    heard = time.time()
-    parks = [
-        (parked_member(b"r", SLOW, b"slow 100 s", heard - 1), 100),
-        (parked_member(b"r", FREE, b"free 30 s", heard - 1), 30),
-        (parked_member(b"r", SLOW, b"slow 250 s", heard - 1), 250),
-        (parked_member(b"r", FREE, b"free 5 s", heard - 1), 5),
-        (parked_member(b"r", FREE, b"reserved after", heard + 0.5), 1),
-        (parked_member(b"u", SLOW, b"not reserved", heard - 1), 2),
-    ]
-    with redis_server.client() as client:
-        for parked, delay in parks:
-            client.eval(load_script("park.lua"), 2, *keys, repr(delay * 1e6), parked)
-        released, calls, last = 0, 0, b""
-        while True:
-            args = ["", "300000000", b"%d" % (heard * 1e6), last, "3"]
-            reply = client.eval(load_script("void_parked.lua"), 2, *keys, *args)
-            released, calls, last = released + reply[0], calls + 1, reply[1]
-            if not last:
-                break
-        assert (released, calls) == (4, 2), "5 index entries, 3 a call"
-        reply = client.eval(load_script("unpark.lua"), 2, *keys, "0", "100")
-        order = [parks[n][0] for n in (3, 1, 0, 2)]
-        assert reply[3::2] == [b"a" + parked[1:] for parked in order], "in their moments' order"
-        assert client.zcard(keys[0]) == 2, "reserved after, and not reserved, stay"
-        assert client.zcard(keys[1]) == 1
-
-
 def test_a_park_that_waited_its_turn_counts_its_delay_from_when_it_was_asked(
     redis_server: RedisServer,
 ) -> None:
@@ -559,14 +525,6 @@ async def test_a_voiding_brings_back_the_requests_parked_in_memory_with_moments_
     assert next_due is not None
     assert 9 < next_due <= 10
     assert store.parked == 4
-    # Redis lost the throttle's state: every key's moments reserved before, in their order.
-    assert await store.release_voided(None, heard, now + 300) == 2
-    due, _ = await store.unpark(0, 100)
-    assert [request.url for request, _ in due] == [
-        f"http://{FREE}/another-key",
-        f"http://{SLOW}/due-after-its-end",
-    ]
-    assert store.parked == 2
 
 
 @pytest.mark.parametrize("scheduler", ["scrapy", "scrapy-redis-priority"])

@@ -319,7 +319,6 @@ def resilient_bucket(
     clock: FakeClock,
     fleet: int | None = 2,
     scripts: FlakyScripts | None = None,
-    release_lost: Callable[[float], None] = lambda heard: None,
     **settings: Any,
 ) -> tuple[ResilientBucket, FlakyScripts, MemoryStatsCollector]:
     """A :class:`.ResilientBucket` on *clock* in a fleet of *fleet* workers, with
@@ -334,7 +333,6 @@ def resilient_bucket(
         clock,
         fleet_size=lambda: fleet,
         bucket=scripts,  # type: ignore[arg-type]
-        release_lost=release_lost,
     )
     return bucket, scripts, collector
 

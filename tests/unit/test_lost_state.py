@@ -231,20 +231,6 @@ async def test_a_moment_taken_alone_before_redis_lost_its_state_is_lost_with_it(
 
 
 @async_test
-async def test_a_worker_that_reads_the_loss_brings_back_what_is_parked() -> None:
-    """Every parked request's moment was reserved before the loss: they come back at once to
-    ask anew (see test_parking_area.py), not at their old moments, up to 300 s away."""
-    clock = FakeClock()
-    heard: list[float] = []
-    bucket, scripts, _ = resilient_bucket(clock, release_lost=heard.append)
-    await bucket.check_state()
-    assert heard == []
-    scripts.secret = b"t" * 64
-    await bucket.check_state()
-    assert heard == [clock.wall()]
-
-
-@async_test
 async def test_a_worker_that_reads_redis_lost_its_state_keeps_to_its_share_a_while() -> None:
     """Redis restarted: down for every worker, whether or not this one called it then (its
     requests all held their moments). Another worker may still pace alone until its probe:
