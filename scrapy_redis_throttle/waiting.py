@@ -13,6 +13,7 @@ from scrapy.exceptions import IgnoreRequest
 from .config import FALLBACK_WAIT, STATS_PREFIX
 from .metrics import ACQUIRED, PAUSED_LIVE, UNTHROTTLED
 from .parking import RELEASE_AHEAD
+from .server_clock import MISSED_AFTER
 from .tickets import Ticket
 
 if TYPE_CHECKING:
@@ -34,11 +35,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# A request that cannot go within this long after its reserved moment (given back late by the
-# parking area, woken late by a busy process, or whose answer was read late, even one that let
-# it go at once) asks for a new one: going that late would squeeze it against the requests of
-# the moments after its own, at the site.
-MISSED_AFTER = 0.05
 # A timer may fire this early (the loop's clock resolution): the moment has come.
 MOMENT_SLACK = 0.001
 # When the request left for the download (loop time), for the adaptive rate.

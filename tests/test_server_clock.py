@@ -4,15 +4,24 @@ when Redis decided a reply, by the bounds of the recent replies, never before it
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 import redis.asyncio
 from local_redis import RedisServer
 from support import async_test
+from tcp_proxy import TcpProxy
 
 from scrapy_redis_throttle.bucket import TokenBucket
 from scrapy_redis_throttle.connection import ClusterClient
-from scrapy_redis_throttle.server_clock import FIRST_READS, GENERATION, ServerClock
+from scrapy_redis_throttle.rates import Limit
+from scrapy_redis_throttle.server_clock import (
+    FIRST_READS,
+    GENERATION,
+    MISSED_AFTER,
+    ROUND_TRIPS_KEPT,
+    ServerClock,
+)
 
 # Redis's clock (µs) runs 1,000 s ahead of the loop's (s) in these cases.
 AHEAD = 1000.0
@@ -69,6 +78,54 @@ def test_a_clock_that_steps_forward_is_followed_at_once() -> None:
     clock.decided_at(10.0, 10.001, server_us(10.0005))
     assert clock.decided_at(11.0, 11.001, server_us(11.0005) + 1e6) == approx(11.001)
     assert clock.decided_at(12.0, 12.2, server_us(12.0005) + 1e6) == approx(12.001)
+
+
+def test_a_call_asks_for_no_moment_before_its_reply_is_read_when_replies_come_late() -> None:
+    """Round trips within MISSED_AFTER: a moment Redis gives at once is on time, nothing to
+    ask. One that took longer: the next call asks for no moment before its own reply is
+    expected, by Redis's clock, as late as the bounds allow; the slowest of the last
+    ROUND_TRIPS_KEPT replies counts, so fast ones since make it go."""
+    clock = ServerClock()
+    for n in range(3):
+        clock.decided_at(10.0 + n, 10.001 + n, server_us(10.0005 + n))
+    assert clock.not_before_us(13.0) == 0
+    clock.decided_at(13.0, 13.4, server_us(13.2))  # 200 ms each way
+    expected = clock.server_us(14.4)
+    assert expected is not None
+    assert clock.not_before_us(14.0) == math.ceil(expected)
+    assert expected >= server_us(14.4), "not before the reply is read"
+    for n in range(ROUND_TRIPS_KEPT - 1):
+        clock.decided_at(15.0 + n, 15.001 + n, server_us(15.0005 + n))
+    assert clock.not_before_us(30.0) != 0, "the slow one is among the last ones"
+    clock.decided_at(31.0, 31.001, server_us(31.0005))
+    assert clock.not_before_us(32.0) == 0
+
+
+@async_test
+async def test_a_reply_that_comes_back_late_reserves_its_moment_late() -> None:
+    """A 200 ms latency spike on the way to Redis (100 ms each way), the clock learned before
+    it: an idle bucket's answer "go now" came back 100 ms after its moment, over MISSED_AFTER,
+    and its request asked again, burning a token each time (a slow Redis starved the fleet).
+    From the second call of the spike on, each call asks for a moment no sooner than its
+    reply is read: its request goes on time, in its place."""
+    loop = asyncio.get_running_loop()
+    idle = Limit(rate=5, burst=5, text="5/s")
+    with RedisServer() as server, TcpProxy(server.port) as proxy:
+        client = redis.asyncio.Redis.from_url(proxy.url)
+        bucket = TokenBucket(client, "clock-test")
+        for n in range(ROUND_TRIPS_KEPT):
+            await bucket.acquire(f"warm-{n}.example", idle)
+        proxy.latency = 0.1
+        late = []
+        for n in range(4):
+            result = await bucket.acquire(f"idle-{n}.example", idle, reserve=10)
+            read = loop.time()
+            assert result.allowed or result.reserved
+            late.append(read - (result.decided(read) + result.retry_after))
+        await bucket.aclose()
+        await client.aclose()
+    assert late[0] > MISSED_AFTER, f"the first reply of the spike: {late}"
+    assert all(each <= MISSED_AFTER for each in late[1:]), f"read after their moments: {late}"
 
 
 @async_test
