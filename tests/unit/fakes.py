@@ -388,7 +388,7 @@ class Yard:
         return request
 
     def next_request(self) -> Request | None:
-        return self.area.handoff.next_request(
+        return self.area.next_request(
             lambda: self.scheduled.pop(0) if self.scheduled else None
         )
 
