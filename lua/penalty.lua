@@ -15,11 +15,13 @@
 -- ARGV[5]  max_pause: microseconds, > 0, the longest pause (Retry-After included)
 -- ARGV[6]  decay: microseconds after a pause without a new penalty that undo one doubling, > 0
 -- ARGV[7]  the channel to publish the pause on
--- ARGV[8]  the domain's name in the message: "<pause µs> <name>"
+-- ARGV[8]  the domain's name in the message: "<pause µs> <now µs> <name>" (now: the moments
+--          reserved before it, by token_bucket.lua's clock, are the voided ones)
 --
--- Returns {changed, pause_us, strikes}: changed is 1 when this call started or extended the
--- pause (0: a pause as long was already under way: a response to a request sent before it);
--- pause_us is the time left until the pause ends; strikes counts the penalties in a row.
+-- Returns {changed, pause_us, strikes, now_us}: changed is 1 when this call started or extended
+-- the pause (0: a pause as long was already under way: a response to a request sent before it);
+-- pause_us is the time left until the pause ends; strikes counts the penalties in a row; now_us
+-- when it ran (no moment within the pause was reserved after it: the bucket is past it).
 
 local limits = {{">", 0}, {">=", 1}, {">=", -1}, {">", 0}, {">", 0}, {">", 0}}
 local numbers = {}
@@ -54,7 +56,7 @@ local pause
 if now < paused_until then
   -- Already paused: only a longer Retry-After extends the pause; strikes stay.
   if retry_after < 0 then
-    return {0, paused_until - now, strikes}
+    return {0, paused_until - now, strikes, now}
   end
   pause = retry_after
 else
@@ -71,7 +73,7 @@ pause = math.ceil(math.min(pause, max_pause))
 -- lasts no time, and every expiry below is at least 1 ms (Redis refuses PX 0).
 local new_until = now + pause
 if new_until <= paused_until then
-  return {0, paused_until - now, strikes}
+  return {0, paused_until - now, strikes, now}
 end
 
 redis.call("HSET", KEYS[2], "strikes", strikes, "until", string.format("%d", new_until))
@@ -88,5 +90,5 @@ local _, voided_until = voiding_read(KEYS[3], now)
 voided_until = math.max(new_until, voided_until or 0)
 redis.call("SET", KEYS[3], string.format("%d %d", now, voided_until),
   "PX", math.max(1, math.ceil((voided_until - now) / 1000)))
-redis.call("PUBLISH", ARGV[7], string.format("%d", pause) .. " " .. ARGV[8])
-return {1, pause, strikes}
+redis.call("PUBLISH", ARGV[7], string.format("%d %d", pause, now) .. " " .. ARGV[8])
+return {1, pause, strikes, now}

@@ -23,13 +23,15 @@
 -- ARGV[6]  hold: µs before the rate starts climbing (the pause that came with a 429), >= 0
 -- ARGV[7]  burst of the domain's limit, >= 1
 -- ARGV[8]  the channel to publish on
--- ARGV[9]  the domain's name in the message: "<µs until the last moment reserved> <name>"
+-- ARGV[9]  the domain's name in the message: "<µs until the last moment reserved> <now µs>
+--          <name>"
 --
--- Returns {lowered, rate, back_in_us, void_us}: lowered is 1 when this call lowered the rate
--- (0: the request was sent before the last decrease, or the configured rate is the floor);
+-- Returns {lowered, rate, back_in_us, void_us, now_us}: lowered is 1 when this call lowered the
+-- rate (0: the request was sent before the last decrease, or the configured rate is the floor);
 -- rate (a string, in requests per second) is the rate now; when lowered, back_in_us is how
 -- long until the rate is back at the configured one without another failure, and void_us how
--- long the moments reserved before were to last (both 0 when not lowered).
+-- long the moments reserved before now_us (when it ran) were to last (both 0 when not
+-- lowered).
 
 local numbers = {}
 for index = 1, 7 do
@@ -58,7 +60,7 @@ if live_rate and live_rate > 0 then
 end
 floor = math.min(floor, rate)
 if floor == rate then
-  return {0, string.format("%.17g", rate), 0, 0}
+  return {0, string.format("%.17g", rate), 0, 0, now}
 end
 
 local current = rate
@@ -70,7 +72,7 @@ lowered_at = time_read(lowered_at, now)
 if was and since and slope and lowered_at then
   current = math.min(rate, was + slope * math.max(0, now - since))
   if now - age < lowered_at then
-    return {0, string.format("%.17g", current), 0, 0}
+    return {0, string.format("%.17g", current), 0, 0, now}
   end
 end
 
@@ -94,6 +96,6 @@ if void > 0 then
   voided_until = math.max(now + void, time_read(voided_until, now) or 0)
   redis.call("SET", KEYS[3], string.format("%d %d", now, voided_until),
     "PX", math.ceil((voided_until - now) / 1000))
-  redis.call("PUBLISH", ARGV[8], string.format("%d", void) .. " " .. ARGV[9])
+  redis.call("PUBLISH", ARGV[8], string.format("%d %d", void, now) .. " " .. ARGV[9])
 end
-return {1, string.format("%.17g", lowered), lifetime, void}
+return {1, string.format("%.17g", lowered), lifetime, void, now}

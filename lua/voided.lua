@@ -12,8 +12,9 @@
 --
 -- KEYS[1]  the domain's void key
 --
--- Returns {} when nothing is voided now, else {age_us, left_us}: how long ago the last voiding
--- was, and how long until the voided moments end (integers).
+-- Returns {} when nothing is voided now, else {age_us, left_us, voided_at}: how long ago the
+-- last voiding was, how long until the voided moments end, and when it was (µs like the
+-- bucket's time: a moment reserved before it, by token_bucket.lua's clock, is void; integers).
 
 local now = server_now()
 local voided_at, voided_until = voiding_read(KEYS[1], now)
@@ -23,4 +24,4 @@ end
 if voided_until <= now then
   return {}
 end
-return {math.max(0, now - voided_at), voided_until - now}
+return {math.max(0, now - voided_at), voided_until - now, voided_at}

@@ -205,6 +205,9 @@ class Voiding:
     """Seconds since it happened: moments reserved before are void..."""
     left: float
     """...if they come within this many seconds from now."""
+    at_us: float | None = None
+    """When it happened, by Redis's clock (µs since the scripts' epoch, as
+    :attr:`Reservation.at`): the moments reserved there before it are void (None: not told)."""
 
 
 @dataclass(frozen=True)
@@ -215,6 +218,9 @@ class Penalty:
     """Seconds until the pause ends."""
     strikes: int
     """Penalties in a row (each one after the previous pause ended)."""
+    at_us: float
+    """When Redis decided (as :attr:`Voiding.at_us`): the moments reserved before it within
+    the pause are void."""
 
 
 @dataclass(frozen=True)
@@ -230,6 +236,9 @@ class SlowDown:
     void: float
     """When lowered: seconds the moments reserved before lasted; the requests holding them
     must ask again (the decrease is published like a pause this long)."""
+    at_us: float
+    """When Redis decided (as :attr:`Voiding.at_us`): the moments reserved before it are the
+    voided ones."""
 
 
 class TokenBucket:
@@ -346,7 +355,7 @@ class TokenBucket:
     ) -> Penalty:
         """Pause *domain* for every worker: *retry_after* seconds (the site's Retry-After), or
         by *backoff*; publish the pause on :func:`penalty_channel`."""
-        changed, pause_us, strikes = await self._penalty_script(
+        changed, pause_us, strikes, at_us = await self._penalty_script(
             keys=[
                 bucket_key(self._key_prefix, domain),
                 penalty_key(self._key_prefix, domain),
@@ -363,7 +372,7 @@ class TokenBucket:
                 domain,
             ],
         )
-        return Penalty(changed == 1, pause_us / 1e6, strikes)
+        return Penalty(changed == 1, pause_us / 1e6, strikes, at_us)
 
     async def slow_down(
         self, domain: str, limit: Limit, adaptive: Adaptive, age: float, hold: float = 0
@@ -371,7 +380,7 @@ class TokenBucket:
         """Lower *domain*'s rate for every worker (unless the failed request, sent *age*
         seconds ago, was sent before the last decrease); it climbs back after *hold* seconds.
         The moments reserved before are void: see ``lua/slow_down.lua``."""
-        lowered, rate, back_in_us, void_us = await self._slow_down_script(
+        lowered, rate, back_in_us, void_us, at_us = await self._slow_down_script(
             keys=[
                 bucket_key(self._key_prefix, domain),
                 rate_key(self._key_prefix, domain),
@@ -389,15 +398,15 @@ class TokenBucket:
                 domain,
             ],
         )
-        return SlowDown(lowered == 1, float(rate), back_in_us / 1e6, void_us / 1e6)
+        return SlowDown(lowered == 1, float(rate), back_in_us / 1e6, void_us / 1e6, at_us)
 
     async def last_voiding(self, domain: str) -> Voiding | None:
         """The last voiding of *domain*'s reserved moments that still matters (None: none)."""
         reply = await self._voided_script(keys=[void_key(self._key_prefix, domain)], args=[])
-        if len(reply) != 2:
+        if len(reply) != 3:
             return None
-        age_us, left_us = reply
-        return Voiding(age_us / 1e6, left_us / 1e6)
+        age_us, left_us, at_us = reply
+        return Voiding(age_us / 1e6, left_us / 1e6, at_us)
 
     async def unreserve(self, domain: str, reservations: Sequence[Reservation]) -> Unreserved:
         """Give *domain*'s bucket back *reservations* whose requests will not go (see

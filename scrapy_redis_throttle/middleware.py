@@ -31,7 +31,7 @@ from .engine_hooks import attach_parking, engine_closing
 from .errors import ThrottleConfigError
 from .metrics import CANCELED, REJECTED, UNTHROTTLED, ThrottleMetrics, WorkerState
 from .metrics_endpoint import MetricsEndpoint, WorkerCollector
-from .penalties import Pauses
+from .penalties import Pause, Pauses
 from .pushback import Pushback
 from .redis_schema import penalty_channel
 from .rejections import Rejections
@@ -183,9 +183,9 @@ class RedisThrottleMiddleware:
         await self.bucket.aclose()
         await close(self.redis)
 
-    def _release_parked(self, domain: str, heard: float, until: float) -> None:
+    def _release_parked(self, domain: str, pause: Pause) -> None:
         if self.parking is not None:
-            self.parking.void(domain, heard, until)
+            self.parking.void(domain, pause)
 
     async def _watch_the_close(self) -> None:
         """Once the engine closes the spider, no held request waits again (for Redis, for a

@@ -39,6 +39,7 @@ from .config import STATS_PREFIX
 from .handoff import Handoff
 from .leases import LEASE_META, Leases
 from .metrics import OTHER
+from .penalties import Pause
 from .redis_parking import ParkUncertain
 from .request_codec import Unparkable
 from .tickets import TICKET_META, Ticket, Unused, unused_reservation
@@ -107,22 +108,21 @@ class ParkingArea:
         self._due_at: float | None = None
         self._unpark_failing = False
         self._void_failing = False
-        # Voidings not yet passed on to the store: domain -> (heard, until).
-        self._voidings: dict[str, tuple[float, float]] = {}
+        # Voidings not yet passed on to the store, by domain.
+        self._voidings: dict[str, Pause] = {}
         self._concurrency = concurrency
         self._unreserve = unreserve
         self._releaser = asyncio.ensure_future(self._release_loop())
 
-    def void(self, domain: str, heard: float, until: float) -> None:
-        """The moments of *domain* up to *until* (loop time) reserved before *heard* (wall time)
-        are void (see :meth:`.Pauses.pause`): the requests parked with one come back at once,
-        in the order of their moments, to ask again, as held ones do, not at their old
-        moments."""
+    def void(self, domain: str, pause: Pause) -> None:
+        """The moments of *domain* that *pause* voids (see :meth:`.Pauses.pause`): the
+        requests parked with one come back at once, in the order of their moments, to ask
+        again, as held ones do, not at their old moments."""
         if (known := self._voidings.get(domain)) is not None:
             # Two voidings passed on as one that covers both (and errs on the polite side: a
             # moment reserved between them, after the first one's end, asks again too).
-            heard, until = max(heard, known[0]), max(until, known[1])
-        self._voidings[domain] = (heard, until)
+            pause = Pause.merged([known, pause])
+        self._voidings[domain] = pause
         self._wake_up.set()
 
     def enqueue_request(self, request: Request) -> bool | None:
@@ -225,9 +225,9 @@ class ParkingArea:
         # Those heard so far: the ones heard meanwhile wait for the next pass, after the due
         # requests are given back (a flood of voidings must not hold those up).
         voidings, self._voidings = self._voidings, {}
-        for domain, (heard, until) in voidings.items():
+        for domain, pause in voidings.items():
             try:
-                released = await self.store.release_voided(domain, heard, until)
+                released = await self.store.release_voided(domain, pause)
             except (RedisError, OSError) as exc:
                 # Once per failure: they ask again at their old moments meanwhile, still safe.
                 if not self._void_failing:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from scrapy import Request
 
     from .clock import Clock
+    from .penalties import Pause
 
 
 class Closed(NamedTuple):
@@ -53,10 +54,10 @@ class ParkingStore(Protocol):
         its ticket, and the seconds until the next one left is due."""
         ...
 
-    async def release_voided(self, domain: str, heard: float, until: float) -> int:
-        """Make the requests of *domain* parked with a moment up to *until* (loop time) reserved
-        before *heard* (wall time) due now, in the order of their moments, to ask again (see
-        :meth:`.Pauses.pause`); return how many."""
+    async def release_voided(self, domain: str, pause: Pause) -> int:
+        """Make the requests of *domain* parked with a moment that *pause* voids due now, in
+        the order of their moments, to ask again (see :meth:`.Pauses.pause`); return how
+        many."""
         ...
 
     async def close(self, keep: bool) -> Closed:
@@ -97,17 +98,22 @@ class MemoryParking:
             due.append((request, ticket))
         return due, (self._heap[0][0] - now if self._heap else None)
 
-    async def release_voided(self, domain: str, heard: float, until: float) -> int:
+    async def release_voided(self, domain: str, pause: Pause) -> int:
         void = {
             order
             for order, (due, _, _, ticket) in self._reserved.get(domain, {}).items()
-            if due <= until and ticket.reserved_at < heard
+            if pause.voids(
+                ticket.reserved_at,
+                due,
+                ticket.elsewhere,
+                None if ticket.reservation is None else ticket.reservation.at,
+            )
         }
         if not void:
             return 0
         now = self._clock.monotonic()
-        # Due now or before, in the order of their moments: each as early as *until* is late.
-        early = until - now
+        # Due now or before, in the order of their moments: each as early as the pause is long.
+        early = pause.until - now
         kept = []
         for entry in self._heap:
             due, order, request, ticket = entry

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import suppress
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
 from itertools import islice
@@ -114,6 +115,52 @@ def _http_date(text: str) -> datetime | None:
     return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
 
 
+@dataclass(frozen=True)
+class Pause:
+    """A voiding of a domain's reserved moments, as a worker knows it."""
+
+    heard: float
+    """Wall time it happened (as far as this worker can tell): moments reserved before..."""
+    until: float
+    """...for a moment up to this loop time, are void."""
+    at_us: float | None = None
+    """When it happened by Redis's clock (µs since the scripts' epoch), when Redis told it:
+    a moment whose reservation there tells its time is void if reserved before it, exactly.
+    (A limit set live, or a decrease of the adaptive rate, starts the bucket again at once: the
+    moments it gives next fall within the voided ones, and a wall clock allowing for other
+    machines took those reserved in the next second as void too.)"""
+
+    def voids(
+        self, reserved_at: float, moment: float, elsewhere: bool, reserved_us: float | None
+    ) -> bool:
+        """Whether it voids a *moment* reserved at *reserved_at* (wall time; *elsewhere*: by
+        another process, whose wall clock may differ by up to CLOCK_MARGIN; *reserved_us*: by
+        Redis's clock)."""
+        if moment > self.until:
+            return False
+        if self.at_us is not None and reserved_us is not None:
+            return reserved_us < self.at_us
+        return self.heard + (CLOCK_MARGIN if elsewhere else 0.0) > reserved_at
+
+    def covers(self, other: Pause) -> bool:
+        """Whether it voids whatever *other* voids (within SAME_PAUSE: one read again)."""
+        return (
+            self.heard >= other.heard - SAME_PAUSE
+            and self.until >= other.until - SAME_PAUSE
+            and (other.at_us is None or (self.at_us is not None and self.at_us >= other.at_us))
+        )
+
+    @classmethod
+    def merged(cls, pauses: list[Pause]) -> Pause:
+        """One pause that voids all *pauses* void (and more: the polite side)."""
+        at = [each.at_us for each in pauses]
+        return cls(
+            max(each.heard for each in pauses),
+            max(each.until for each in pauses),
+            None if None in at else max(each for each in at if each is not None),
+        )
+
+
 class Pauses:
     """The pauses this worker knows of: its own, and those other workers published. *forget*
     drops what the worker saw of a domain's bucket, which Redis changed; *release_parked* passes
@@ -126,7 +173,7 @@ class Pauses:
         stats: StatsCollector,
         log_extra: Callable[[], dict[str, Any]],
         forget: Callable[[str], None],
-        release_parked: Callable[[str, float, float], None],
+        release_parked: Callable[[str, Pause], None],
         *,
         longest: float,
         clock: Clock,
@@ -141,9 +188,9 @@ class Pauses:
         self._channel = channel
         self._stats = stats
         self._log_extra = log_extra
-        # domain -> (wall time it was heard of, loop time it ends) of each pause under way: a
-        # reservation made before one of them, for a moment within it, is void.
-        self._pauses: dict[str, list[tuple[float, float]]] = {}
+        # domain -> the pauses under way: a reservation made before one of them, for a moment
+        # within it, is void.
+        self._pauses: dict[str, list[Pause]] = {}
         # domain -> the sleeps of requests whose moment is reserved, and the monotonic time
         # each one ends at; those a pause cancelled, to wake them early.
         self._sleepers: dict[str, dict[asyncio.Future[None], float]] = {}
@@ -169,31 +216,33 @@ class Pauses:
         if self._listener is not None:
             await cancel_and_wait(self._listener, "the pauses' listener")
 
-    def pause(self, domain: str, seconds: float, age: float = 0.0) -> None:
+    def pause(
+        self, domain: str, seconds: float, age: float = 0.0, at_us: float | None = None
+    ) -> None:
         """Moments of *domain* within the next *seconds* that were reserved before now (or
-        *age* seconds ago) are void (a pause, or moments chosen under a rate that changed): the
-        requests that hold them wake at once (see :meth:`sleep`), those parked with them come
-        back at once, and all must ask again. At most *longest* seconds: what another worker
-        publishes, or Redis holds, is not trusted further."""
+        *age* seconds ago; *at_us*: by Redis's clock, when Redis tells it) are void (a pause,
+        or moments chosen under a rate that changed): the requests that hold them wake at once
+        (see :meth:`sleep`), those parked with them come back at once, and all must ask again.
+        At most *longest* seconds: what another worker publishes, or Redis holds, is not
+        trusted further."""
         seconds = min(seconds, self._longest)
-        heard, until = self._clock.wall() - age, self._clock.monotonic() + seconds
+        new = Pause(self._clock.wall() - age, self._clock.monotonic() + seconds, at_us)
         pauses = self._under_way(domain)
-        if any(h >= heard - SAME_PAUSE and u >= until - SAME_PAUSE for h, u in pauses):
+        if any(each.covers(new) for each in pauses):
             return
-        # One heard earlier and ending sooner voids nothing this one does not.
-        pauses = [(h, u) for h, u in pauses if h > heard or u > until]
-        pauses.append((heard, until))
+        pauses = [each for each in pauses if not new.covers(each)]
+        pauses.append(new)
         if len(pauses) > PAUSES_PER_DOMAIN:
-            pauses = [(max(h for h, _ in pauses), max(u for _, u in pauses))]
+            pauses = [Pause.merged(pauses)]
         self._pauses[domain] = pauses
         for each in list(islice(self._pauses, SWEEP_STEP)):
             self._under_way(each)  # forgotten if ended, else to the back of the line
         self._forget(domain)
         for sleep, wake_at in self._sleepers.get(domain, {}).items():
-            if wake_at <= until and not sleep.done():
+            if wake_at <= new.until and not sleep.done():
                 self._woken.add(sleep)
                 sleep.cancel()
-        self._release_parked(domain, heard, until)
+        self._release_parked(domain, new)
 
     def knows_voidings(self, domain: str, reserved_at: float, elsewhere: bool) -> bool:
         """Whether this worker knows every voiding of *domain*'s moments since *reserved_at*
@@ -213,7 +262,7 @@ class Pauses:
         """The last voiding of *domain* read from Redis (:meth:`.TokenBucket.last_voiding`),
         asked for at *read_at* (wall time): moments it voids are void (see :meth:`pause`)."""
         if voiding is not None:
-            self.pause(domain, voiding.left, age=voiding.age)
+            self.pause(domain, voiding.left, age=voiding.age, at_us=voiding.at_us)
         since = self._listening_since
         if since is not None and read_at >= since:
             if len(self._read_at) >= READS_KEPT:
@@ -221,26 +270,31 @@ class Pauses:
             self._read_at[domain] = read_at
 
     def is_void(
-        self, domain: str, reserved_at: float, moment: float, elsewhere: bool = False
+        self,
+        domain: str,
+        reserved_at: float,
+        moment: float,
+        elsewhere: bool = False,
+        reserved_us: float | None = None,
     ) -> bool:
         """Whether a moment (monotonic time) reserved for *domain* at *reserved_at* (wall
         time; *elsewhere*: in another process, a parked request, whose clock may differ from
-        this one's by up to :data:`CLOCK_MARGIN`) is void."""
-        margin = CLOCK_MARGIN if elsewhere else 0.0
+        this one's by up to :data:`CLOCK_MARGIN`; *reserved_us*: by Redis's clock, when it was
+        reserved there) is void."""
         return any(
-            heard + margin > reserved_at and moment <= until
-            for heard, until in self._under_way(domain)
+            each.voids(reserved_at, moment, elsewhere, reserved_us)
+            for each in self._under_way(domain)
         )
 
     def paused_for(self, domain: str) -> float:
         """Seconds until *domain*'s pauses end (0: none), for a worker that paces alone."""
-        ends = [until for _, until in self._under_way(domain)]
+        ends = [each.until for each in self._under_way(domain)]
         return max(ends) - self._clock.monotonic() if ends else 0.0
 
-    def _under_way(self, domain: str) -> list[tuple[float, float]]:
+    def _under_way(self, domain: str) -> list[Pause]:
         """*domain*'s pauses that have not ended (the others are forgotten)."""
         now = self._clock.monotonic()
-        pauses = [pause for pause in self._pauses.pop(domain, ()) if pause[1] > now]
+        pauses = [pause for pause in self._pauses.pop(domain, ()) if pause.until > now]
         if pauses:
             self._pauses[domain] = pauses
         return pauses
@@ -316,16 +370,18 @@ class Pauses:
         )
 
     def _received(self, data: bytes) -> None:
-        pause_us, _, domain = data.decode("utf-8", "surrogateescape").partition(" ")
+        pause_us, _, rest = data.decode("utf-8", "surrogateescape").partition(" ")
+        at_us, _, domain = rest.partition(" ")
         # Anyone who may publish on the channel can send anything: a bad message voids nothing.
         if (
-            pause_us.isascii()
-            and pause_us.isdigit()
-            and len(pause_us) <= MAX_PAUSE_DIGITS
+            all(
+                number.isascii() and number.isdigit() and len(number) <= MAX_PAUSE_DIGITS
+                for number in (pause_us, at_us)
+            )
             and domain
         ):
             try:
-                self.pause(domain, int(pause_us) / 1e6)
+                self.pause(domain, int(pause_us) / 1e6, at_us=int(at_us))
             except Exception as exc:  # a bug passing it on: the subscription and the next go on
                 self._count_once(
                     f"listener_errors/{type(exc).__name__}",

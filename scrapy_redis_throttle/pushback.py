@@ -101,7 +101,7 @@ class Pushback:
                 extra=self._log_extra(),
             )
             return response
-        self._pauses.pause(domain, penalty.pause)
+        self._pauses.pause(domain, penalty.pause, at_us=penalty.at_us)
         if not penalty.changed:  # answers to requests sent before the pause
             logger.debug(
                 "Redis throttle: %(status)d from %(source)s, already paused for %(pause).1f s",
@@ -149,7 +149,8 @@ class Pushback:
         slowdown = await self._bucket.slow_down(domain, limit, max(0.0, now - sent_at), hold)
         if slowdown is None or not slowdown.lowered:
             return
-        self._pauses.pause(domain, slowdown.void)  # this worker's reservations, before the message
+        # This worker's reservations, before the message.
+        self._pauses.pause(domain, slowdown.void, at_us=slowdown.at_us)
         self._stats.inc_value(f"{STATS_PREFIX}/adaptive/lowered")
         logger.info(
             "Redis throttle: %(cause)s: its rate for the fleet is now %(rate)s (configured: "

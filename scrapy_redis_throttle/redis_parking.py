@@ -17,7 +17,6 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from .config import STATS_PREFIX
 from .leases import LEASE_META
 from .parking_stores import Closed, Parked
-from .penalties import CLOCK_MARGIN
 from .redis_schema import moments_key
 from .request_codec import decode_request, encode_request
 from .scripts import lua_script
@@ -31,6 +30,7 @@ if TYPE_CHECKING:
 
     from .clock import Clock
     from .leases import Leases
+    from .penalties import Pause
     from .rejections import Rejections
 
 logger = logging.getLogger(__name__)
@@ -102,11 +102,16 @@ class RedisParking:
         now = self._clock.monotonic()
         delay = max(0.0, ticket.due - now)
         asked = self._server_clock.server_us(now)
-        domain, reserved_at = _indexed_domain(ticket.domain), ticket.reserved_at * 1e6
+        domain, reservation = _indexed_domain(ticket.domain), ticket.reservation
+        # When its moment was reserved in Redis, by Redis's clock, as voidings tell theirs.
+        reserved_at = 0 if reservation is None else reservation.at
         member = b"".join(
             (
-                # Indexed by its moment when it has one that a voiding may reach (see park.lua).
-                _INDEXED if ticket.reserved and domain else _NOT_INDEXED,
+                # Indexed by its moment when it has one in Redis that a voiding may reach (see
+                # park.lua); one reserved in a worker alone learns of a voiding at its moment.
+                _INDEXED
+                if ticket.reserved and reservation is not None and domain
+                else _NOT_INDEXED,
                 member_id,
                 # (A reserved_at read back from Redis may be anything: 16 digits, whatever.)
                 b"%05d%s%016d" % (len(domain), domain, min(max(int(reserved_at), 0), 10**16 - 1)),
@@ -196,13 +201,15 @@ class RedisParking:
             due.append((request, ticket))
         return due, (next_due / 1000 if next_due >= 0 else None)
 
-    async def release_voided(self, domain: str, heard: float, until: float) -> int:
+    async def release_voided(self, domain: str, pause: Pause) -> int:
         domain_bytes = _indexed_domain(domain)
-        if not domain_bytes:
-            return 0  # never indexed (see park)
-        # Parked by any worker of the fleet, whose clock may differ from this one's.
-        reserved_before = b"%d" % max(0, int((heard + CLOCK_MARGIN) * 1e6))
-        until_us = repr(max(0.0, until - self._clock.monotonic()) * 1e6)
+        if not domain_bytes or pause.at_us is None:
+            # Never indexed (see park); or a pause Redis did not time (this worker's, while
+            # Redis failed): the requests parked with its moments learn of it at them.
+            return 0
+        # By Redis's clock, as the index (each worker's wall clock may differ from the others').
+        reserved_before = b"%d" % max(0, int(pause.at_us))
+        until_us = repr(max(0.0, pause.until - self._clock.monotonic()) * 1e6)
         released, last = 0, b""
         while True:
             reply = await self._void_script(

@@ -124,6 +124,7 @@ class Turns:
                     ticket.reserved_at,
                     ticket.elsewhere,
                     ticket.locally,
+                    ticket.reservation,
                 ):
                     self._went(request, budget, since, True, ticket.reservation)
                     return WENT
@@ -184,7 +185,12 @@ class Turns:
                     moment = decided + result.retry_after
                     moment_us = result.moment_us if grant.shared else None
                     if await self._hold_until(
-                        domain, moment, moment_us, asked_at, local=not grant.shared
+                        domain,
+                        moment,
+                        moment_us,
+                        asked_at,
+                        local=not grant.shared,
+                        reservation=result.reservation if grant.shared else None,
                     ):
                         self._went(request, budget, since, delayed, result.reservation)
                         return WENT
@@ -208,10 +214,12 @@ class Turns:
         reserved_at: float,
         elsewhere: bool = False,
         local: bool = False,
+        reservation: Reservation | None = None,
     ) -> bool:
         """Wait for the *moment* (loop time; *moment_us*: by Redis's clock, if Redis gave it)
-        reserved for *domain* at *reserved_at*: True when it comes, False as soon as it is void
-        (see :meth:`_still_reserved`) or missed (see :meth:`_missed`)."""
+        reserved for *domain* at *reserved_at* (*reservation*: in Redis): True when it comes,
+        False as soon as it is void (see :meth:`_still_reserved`) or missed (see
+        :meth:`_missed`)."""
         while True:
             await self._pauses.sleep(domain, moment - self._clock.monotonic())
             # Placed by the bounds Redis's clock had then: those of a reply read late put it
@@ -219,7 +227,9 @@ class Turns:
             moment = self._bucket.server_clock(domain).placed(moment, moment_us)
             if (
                 self._missed(domain, moment)
-                or not await self._still_reserved(domain, reserved_at, moment, elsewhere, local)
+                or not await self._still_reserved(
+                    domain, reserved_at, moment, elsewhere, local, reservation
+                )
                 or self._missed(domain, moment)  # Redis answered the voiding's read too late
             ):
                 return False
@@ -249,9 +259,11 @@ class Turns:
         moment: float,
         elsewhere: bool = False,
         local: bool = False,
+        reservation: Reservation | None = None,
     ) -> bool:
         """Whether a request may go at the *moment* it reserved at *reserved_at* (see
-        :meth:`.Pauses.is_void`; *elsewhere*: in another process, maybe): not if a pause, or a
+        :meth:`.Pauses.is_void`; *elsewhere*: in another process, maybe; *reservation*: in
+        Redis, which tells when by Redis's clock): not if a pause, or a
         change of the rate, voided it since, or Redis lost the throttle's state since it was
         reserved, there or alone (see :meth:`.ResilientBucket.lost`); it must ask Redis
         again. For a moment reserved in Redis (not *local*ly, while Redis failed), a pause
@@ -269,7 +281,8 @@ class Turns:
             # Else Redis fails, and what this worker heard is all it can know: a moment
             # reserved in Redis is still the fleet's, where a new one (paced alone) would know
             # no more of the pauses published meanwhile.
-        if self._pauses.is_void(domain, reserved_at, moment, elsewhere):
+        reserved_us = None if reservation is None else reservation.at
+        if self._pauses.is_void(domain, reserved_at, moment, elsewhere, reserved_us):
             self._stats.inc_value(f"{STATS_PREFIX}/paused_reservations")
             return False
         if self._bucket.lost(reserved_at, elsewhere):

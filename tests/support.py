@@ -32,7 +32,7 @@ from scrapy_redis_throttle.bucket import TokenBucket
 from scrapy_redis_throttle.clock import Clock
 from scrapy_redis_throttle.config import ThrottleConfig
 from scrapy_redis_throttle.connection import ThrottleRedis, connect
-from scrapy_redis_throttle.penalties import Pauses
+from scrapy_redis_throttle.penalties import Pause, Pauses
 from scrapy_redis_throttle.redis_schema import server_micros
 from scrapy_redis_throttle.waiting import MOMENT_SLACK
 
@@ -383,7 +383,7 @@ __all__ = [
 
 def listening_pauses(
     redis_server: RedisServer,
-    release_parked: Callable[[str, float, float], None],
+    release_parked: Callable[[str, Pause], None],
     clock: Clock | None = None,
 ) -> tuple[Pauses, ThrottleRedis, MemoryStatsCollector]:
     """Pauses on the channel "ch" of *redis_server*, with *release_parked* (and *clock*), not

@@ -80,7 +80,9 @@ async def test_a_decrease_voids_the_moments_reserved_before(redis_server: RedisS
         # time): what was left of that when the decrease came (0.42 s once, under load).
         assert 0.5 - took < slowdown.void <= 0.5
         assert messages[1] is not None
-        assert messages[1]["data"] == f"{round(slowdown.void * 1e6)} a.example".encode()
+        void_us, at_us, name = messages[1]["data"].split(b" ", 2)
+        assert (int(void_us), name) == (round(slowdown.void * 1e6), b"a.example")
+        assert int(at_us) == slowdown.at_us, "when, by Redis's clock, as the reply says"
         # The bucket forgot them: the requests that held them ask again, at 5/s from now.
         assert 0.1 < await spacing(bucket, "a.example") <= 0.2
 

@@ -46,6 +46,7 @@ from scrapy_redis_throttle.clock import Clock
 from scrapy_redis_throttle.connection import connect_url
 from scrapy_redis_throttle.control import LiveControl
 from scrapy_redis_throttle.parking_stores import MemoryParking
+from scrapy_redis_throttle.penalties import Pause
 from scrapy_redis_throttle.redis_parking import ParkUncertain, RedisParking, read_member
 from scrapy_redis_throttle.redis_schema import EPOCH
 from scrapy_redis_throttle.rejections import Rejections
@@ -517,8 +518,8 @@ async def test_a_voiding_brings_back_the_requests_parked_in_memory_with_moments_
         ticket = Ticket(key, now + delay, reserved, False, reserved_at, reserved_at)
         await store.park(Request(f"http://{key}/{path}"), ticket)
 
-    assert await store.release_voided(SLOW, heard, now + 60) == 5
-    assert await store.release_voided(SLOW, heard, now + 60) == 0
+    assert await store.release_voided(SLOW, Pause(heard, now + 60)) == 5
+    assert await store.release_voided(SLOW, Pause(heard, now + 60)) == 0
     due, next_due = await store.unpark(0, 100)
     assert [request.url for request, _ in due] == [f"http://{SLOW}/void-{n}" for n in range(5)]
     assert all(not ticket.reserved and ticket.due <= now + 1 for _, ticket in due)

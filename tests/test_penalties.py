@@ -162,9 +162,10 @@ async def test_a_pause_is_published_for_the_fleet(redis_server: RedisServer) -> 
         message = sub.get_message(timeout=5)
     assert message is not None, "no message within 5 s"
     assert message["type"] == "message"
-    pause_us, _, key = message["data"].decode().partition(" ")
+    pause_us, at_us, key = message["data"].decode().split(" ", 2)
     assert key == "Odd key {x}"
     assert 1_990_000 < int(pause_us) <= 2_000_000
+    assert 0 < int(at_us) < 10**15, "when, by Redis's clock (µs since the scripts' epoch)"
 
 
 @pytest.mark.parametrize(
@@ -401,11 +402,18 @@ async def test_messages_that_are_not_pauses_are_counted_and_void_nothing(
     caplog.set_level(logging.WARNING, logger="scrapy_redis_throttle")
     voided: list[str] = []
     pauses, client, stats = listening_pauses(redis_server, lambda key, *_: voided.append(key))
-    bad = [b"1" + b"0" * 400 + b" a.example", b"-5 a.example", "²³ a.example".encode(), b"", b"7"]
+    bad = [
+        b"1" + b"0" * 400 + b" 7 a.example",
+        b"-5 7 a.example",
+        "²³ 7 a.example".encode(),
+        b"",
+        b"7",
+        b"5 a.example",
+    ]
     try:
         await pauses.start()
         with redis_server.client() as publisher:
-            for message in [*bad, b"2000000 b.example"]:
+            for message in [*bad, b"2000000 7 b.example"]:
                 publisher.publish("ch", message)
         await wait_until_async(lambda: pauses.paused_for("b.example") > 0, "the real pause")
     finally:

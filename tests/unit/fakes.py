@@ -33,7 +33,7 @@ from scrapy_redis_throttle.local_buckets import LocalBuckets
 from scrapy_redis_throttle.metrics import ThrottleMetrics
 from scrapy_redis_throttle.parking import ParkingArea
 from scrapy_redis_throttle.parking_stores import MemoryParking
-from scrapy_redis_throttle.penalties import Pauses
+from scrapy_redis_throttle.penalties import Pause, Pauses
 from scrapy_redis_throttle.rates import Limit, parse_limit
 from scrapy_redis_throttle.resilience import ResilientBucket
 from scrapy_redis_throttle.server_clock import ServerClock
@@ -206,7 +206,7 @@ class Throttle:
         self.config = throttle_config(**settings)
         self.stats = stats()
         self.bucket = MemoryBucket(self.clock, self.config.max_reserve)
-        self.voidings: list[tuple[str, float, float]] = []
+        self.voidings: list[tuple[str, Pause]] = []
         self.forgotten: list[str] = []
         redis = Redis(port=1)  # never called
         self.pauses = Pauses(
@@ -388,9 +388,7 @@ class Yard:
         return request
 
     def next_request(self) -> Request | None:
-        return self.area.next_request(
-            lambda: self.scheduled.pop(0) if self.scheduled else None
-        )
+        return self.area.next_request(lambda: self.scheduled.pop(0) if self.scheduled else None)
 
     def stat(self, name: str) -> Any:
         return self.crawler.stats.get_value(f"redis_throttle/{name}")

@@ -9,8 +9,10 @@ from fakes import RESERVATION, FakeClock, Yard
 from scrapy import Request
 from support import async_test
 
+from scrapy_redis_throttle.bucket import Reservation
 from scrapy_redis_throttle.parking import BUSY_RETRY, RELEASE_AHEAD
 from scrapy_redis_throttle.parking_stores import MemoryParking
+from scrapy_redis_throttle.penalties import Pause
 from scrapy_redis_throttle.request_codec import Unparkable
 from scrapy_redis_throttle.tickets import TICKET_META, Ticket
 
@@ -161,7 +163,7 @@ async def test_a_voiding_brings_back_what_it_voids_to_ask_again() -> None:
     yard = Yard()
     voided = yard.park(yard.ticket(10.0), 1)
     await yard.clock.advance(0.1)
-    yard.area.void(A, heard=yard.clock.wall(), until=yard.clock.now + 20)
+    yard.area.void(A, Pause(yard.clock.wall(), yard.clock.now + 20))
     await yard.clock.advance(0)
     assert yard.crawler.engine.crawled == [voided], "back at once"
     assert yard.next_request() is voided
@@ -173,6 +175,23 @@ async def test_a_voiding_brings_back_what_it_voids_to_ask_again() -> None:
 
 
 @async_test
+async def test_a_voiding_timed_by_redis_brings_back_only_moments_reserved_before_it() -> None:
+    """Both reserved before the voiding was heard, by this worker's wall clock; by Redis's
+    clock, which times the voiding and the reservations alike, one after it: it stays."""
+    yard = Yard()
+    wall, due = yard.clock.wall(), yard.clock.now + 10
+    before = Ticket(A, due, True, False, wall, wall, reservation=Reservation(1, 1, 900_000))
+    after = Ticket(A, due, True, False, wall, wall, reservation=Reservation(1, 1, 1_100_000))
+    voided, kept = yard.park(before, 1), yard.park(after, 2)
+    await yard.clock.advance(0.1)
+    yard.area.void(A, Pause(yard.clock.wall(), yard.clock.now + 20, at_us=1_000_000))
+    await yard.clock.advance(0)
+    assert yard.crawler.engine.crawled == [voided]
+    assert kept not in yard.crawler.engine.crawled
+    assert yard.store.parked == 1
+
+
+@async_test
 async def test_a_voiding_leaves_alone_what_it_does_not_void() -> None:
     yard = Yard()
     heard_at = yard.clock.wall()
@@ -181,7 +200,7 @@ async def test_a_voiding_leaves_alone_what_it_does_not_void() -> None:
     yard.park(yard.ticket(10.0, reserved=False), 3)  # nothing reserved
     await yard.clock.advance(0.1)
     yard.park(yard.ticket(10.0), 4)  # reserved after the voiding was heard
-    yard.area.void(A, heard=heard_at + 0.05, until=yard.clock.now + 20)
+    yard.area.void(A, Pause(heard_at + 0.05, yard.clock.now + 20))
     await yard.clock.advance(1.0)
     assert yard.crawler.engine.crawled == []
     assert yard.store.parked == 4
@@ -193,8 +212,8 @@ async def test_two_voidings_of_a_domain_reach_the_area_as_one_that_covers_both()
     early = yard.park(yard.ticket(10.0), 1)
     far = yard.park(yard.ticket(25.0), 2)
     await yard.clock.advance(0.1)
-    yard.area.void(A, heard=yard.clock.wall(), until=yard.clock.now + 12)
-    yard.area.void(A, heard=yard.clock.wall() - 50, until=yard.clock.now + 30)
+    yard.area.void(A, Pause(yard.clock.wall(), yard.clock.now + 12))
+    yard.area.void(A, Pause(yard.clock.wall() - 50, yard.clock.now + 30))
     await yard.clock.advance(0)
     assert sorted(r.url for r in yard.crawler.engine.crawled) == sorted([early.url, far.url])
 

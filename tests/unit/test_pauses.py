@@ -6,17 +6,21 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from fakes import Throttle
+from fakes import Throttle, limit
+from scrapy import Request
 from support import async_test
 
-from scrapy_redis_throttle.bucket import Voiding
+from scrapy_redis_throttle.bucket import Reservation, Voiding
 from scrapy_redis_throttle.penalties import (
     CLOCK_MARGIN,
     PAUSES_PER_DOMAIN,
     SAME_PAUSE,
     SWEEP_STEP,
+    Pause,
     parse_retry_after,
 )
+from scrapy_redis_throttle.tickets import Ticket
+from scrapy_redis_throttle.waiting import WENT
 
 A, B = "a.example", "b.example"
 
@@ -142,7 +146,7 @@ async def test_every_pause_tells_the_parking_area_and_forgets_the_local_view() -
     throttle = Throttle()
     throttle.pauses.pause(A, 5.0)
     heard, until = throttle.clock.wall(), throttle.clock.now + 5.0
-    assert throttle.voidings == [(A, heard, until)]
+    assert throttle.voidings == [(A, Pause(heard, until))]
     assert throttle.forgotten == [A]
 
 
@@ -229,12 +233,17 @@ async def test_a_voiding_read_before_the_subscription_serves_nothing() -> None:
     [
         b"",
         b"7",
-        b"5000000",  # no domain
-        b"-5 a.example",
-        b"1.5 a.example",
-        "²³ a.example".encode(),
-        b"1" + b"0" * 15 + b" a.example",  # more digits than any pause
-        b"\xff\xfe a.example",
+        b"5000000",  # no time, no domain
+        b"5000000 7",  # no domain
+        b"5000000 a.example",  # no time
+        b"-5 7 a.example",
+        b"1.5 7 a.example",
+        b"5 -7 a.example",
+        b"5 7.5 a.example",
+        "²³ 7 a.example".encode(),
+        b"1" + b"0" * 15 + b" 7 a.example",  # more digits than any pause
+        b"5 1" + b"0" * 15 + b" a.example",  # more digits than any time
+        b"\xff\xfe 7 a.example",
     ],
 )
 @async_test
@@ -248,7 +257,7 @@ async def test_a_message_that_is_no_pause_is_counted_and_voids_nothing(message: 
 @async_test
 async def test_a_pause_message_pauses_its_domain() -> None:
     throttle = Throttle()
-    throttle.pauses._received(b"2500000 a.example")
+    throttle.pauses._received(b"2500000 7 a.example")
     assert throttle.pauses.paused_for(A) == pytest.approx(2.5)
     assert throttle.stat("bad_messages") is None
 
@@ -256,7 +265,7 @@ async def test_a_pause_message_pauses_its_domain() -> None:
 @async_test
 async def test_a_domain_of_any_bytes_in_a_message_is_that_domain() -> None:
     throttle = Throttle()
-    throttle.pauses._received(b"1000000 \xff.example")
+    throttle.pauses._received(b"1000000 7 \xff.example")
     assert throttle.voidings[0][0] == "\udcff.example"
 
 
@@ -297,3 +306,38 @@ async def test_a_wait_cancelled_as_a_pause_wakes_it_stays_cancelled() -> None:
     await clock.advance(0)
     assert wait.cancelled()
     assert clock.sleeping == []
+
+
+@async_test
+async def test_a_moment_reserved_after_a_voiding_by_redis_s_clock_is_not_void() -> None:
+    """A limit set live (or a lower adaptive rate) starts the bucket again at once: its next
+    moments fall within the voided ones, reserved just after the voiding. Redis's clock tells
+    them apart exactly; the wall clocks, allowing 1 s for another machine's, took every moment
+    reserved in the next second as void too (each asked again, its moment a hole at the site:
+    gaps of 1 to 4 intervals, the domain on the old pace for the whole backlog, issue #43)."""
+    throttle = Throttle()
+    throttle.pauses._received(b"5000000 1000000 a.example")  # at 1 s by Redis's clock, for 5 s
+    moment, wall = throttle.clock.now + 1, throttle.clock.wall()
+    assert not throttle.pauses.is_void(A, wall + 0.5, moment, True, reserved_us=1_000_001)
+    assert throttle.pauses.is_void(A, wall + 0.5, moment, True, reserved_us=999_999)
+    assert not throttle.pauses.is_void(A, wall, moment + 5, True, reserved_us=999_999)
+    # Without Redis's time (a moment taken alone while Redis failed): the wall clocks.
+    assert throttle.pauses.is_void(A, wall + 0.5, moment, elsewhere=True)
+    assert not throttle.pauses.is_void(A, wall + 0.5, moment, elsewhere=False)
+
+
+@async_test
+async def test_a_moment_reserved_elsewhere_after_a_live_change_goes_at_its_turn() -> None:
+    """Another worker reserved it at the new pace, 0.2 s after the change by Redis's clock,
+    and parked it; this one took it back: it goes at its moment, without asking again."""
+    throttle = Throttle()
+    throttle.pauses._received(b"30000000 1000000 a.example")
+    wall = throttle.clock.wall()
+    reservation = Reservation(after=2_200_000, step=1_000_000, at=1_200_000)
+    ticket = Ticket(
+        A, throttle.clock.now + 0.5, True, False, wall, wall, elsewhere=True,
+        reservation=reservation,
+    )  # fmt: skip
+    assert await throttle.take(Request(f"http://{A}/1"), limit("1/s"), ticket) is WENT
+    assert throttle.bucket.calls == [], "not asked again"
+    assert throttle.stat("paused_reservations") is None
