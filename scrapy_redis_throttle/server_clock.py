@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 # it go at once) asks for a new one: going that late would squeeze it against the requests of
 # the moments after its own, at the site (see waiting.py).
 MISSED_AFTER = 0.05
-# The round trips a reply is expected to take at most: the slowest of these last ones.
+# The way to Redis is slow when the fastest of this many last round trips is: one slow reply
+# is a busy process (it read it late), all of them a slow way.
 ROUND_TRIPS_KEPT = 8
 # How many times to read Redis's TIME before the first replies: the narrowest bounds of a few
 # round trips at start-up, when a process is busy, are fair first bounds.
@@ -96,12 +97,16 @@ class ServerClock:
 
     def not_before_us(self, sent: float) -> int:
         """The earliest moment (µs by Redis's clock, whole) to ask Redis for in a call *sent*
-        now (loop time): when it will read the reply, if the recent replies came back too late
-        for a request to go at a moment Redis gives at once (see :data:`MISSED_AFTER`); else 0
-        (none). A reply that comes back late means that its moment is reserved late, not that
-        its request may go late, squeezed against the next one: each request keeps its place,
-        and the calls under way together keep the rate."""
-        round_trip = max(self._round_trips, default=0.0)
+        now (loop time): the earliest it will read the reply, when the way to Redis is too
+        slow for a request to go at a moment Redis gives at once (the fastest of the last
+        ROUND_TRIPS_KEPT round trips took over :data:`MISSED_AFTER`); else 0 (none). A reply
+        that comes back late means that its moment is reserved late, not that its request
+        may go late, squeezed against the next one: each request keeps its place, and the
+        calls under way together keep the rate. A busy process that reads some replies late
+        asks nothing: its requests miss those moments, as before, and ask again."""
+        if len(self._round_trips) < ROUND_TRIPS_KEPT:
+            return 0
+        round_trip = min(self._round_trips)
         if round_trip <= MISSED_AFTER:
             return 0
         server_us = self.server_us(sent + round_trip)
