@@ -67,7 +67,7 @@ class SharedBucket(Protocol):
 
     async def last_voiding(self, domain: str) -> tuple[bool, Voiding | None]: ...
 
-    def lost(self, reserved_at: float, elsewhere: bool = False) -> bool: ...
+    def lost(self, reserved_at: float, sealed_at: float | None = None) -> bool: ...
 
 
 class Turns:
@@ -125,6 +125,7 @@ class Turns:
                     ticket.elsewhere,
                     ticket.locally,
                     ticket.reservation,
+                    ticket.sealed_at,
                 ):
                     self._went(request, budget, since, True, ticket.reservation)
                     return WENT
@@ -215,11 +216,12 @@ class Turns:
         elsewhere: bool = False,
         local: bool = False,
         reservation: Reservation | None = None,
+        sealed_at: float | None = None,
     ) -> bool:
         """Wait for the *moment* (loop time; *moment_us*: by Redis's clock, if Redis gave it)
-        reserved for *domain* at *reserved_at* (*reservation*: in Redis): True when it comes,
-        False as soon as it is void (see :meth:`_still_reserved`) or missed (see
-        :meth:`_missed`)."""
+        reserved for *domain* at *reserved_at* (*reservation*: in Redis; *sealed_at*: see
+        :attr:`.Ticket.sealed_at`): True when it comes, False as soon as it is void (see
+        :meth:`_still_reserved`) or missed (see :meth:`_missed`)."""
         while True:
             await self._pauses.sleep(domain, moment - self._clock.monotonic())
             # Placed by the bounds Redis's clock had then: those of a reply read late put it
@@ -228,7 +230,7 @@ class Turns:
             if (
                 self._missed(domain, moment)
                 or not await self._still_reserved(
-                    domain, reserved_at, moment, elsewhere, local, reservation
+                    domain, reserved_at, moment, elsewhere, local, reservation, sealed_at
                 )
                 or self._missed(domain, moment)  # Redis answered the voiding's read too late
             ):
@@ -260,6 +262,7 @@ class Turns:
         elsewhere: bool = False,
         local: bool = False,
         reservation: Reservation | None = None,
+        sealed_at: float | None = None,
     ) -> bool:
         """Whether a request may go at the *moment* it reserved at *reserved_at* (see
         :meth:`.Pauses.is_void`; *elsewhere*: in another process, maybe; *reservation*: in
@@ -285,7 +288,7 @@ class Turns:
         if self._pauses.is_void(domain, reserved_at, moment, elsewhere, reserved_us):
             self._stats.inc_value(f"{STATS_PREFIX}/paused_reservations")
             return False
-        if self._bucket.lost(reserved_at, elsewhere):
+        if self._bucket.lost(reserved_at, sealed_at):
             # Redis restarted empty since: its bucket may give the moment to another request,
             # and one taken alone was placed after moments that are no more.
             self._stats.inc_value(f"{STATS_PREFIX}/lost_reservations")
