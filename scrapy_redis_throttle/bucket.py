@@ -315,9 +315,6 @@ class TokenBucket:
         else:
             keys = [key, key + RATE_SUFFIX] if self._adaptive else [key]
         clock = await self._clocks.known(key)
-        loop = asyncio.get_running_loop()
-        # No moment before the reply is read (see ServerClock.not_before_us).
-        not_before = max(not_before, clock.not_before_us(loop.time()))
         # Moments by the node's clock: one a call reaches late is the same moment.
         args = script_args(
             limit,
@@ -328,6 +325,7 @@ class TokenBucket:
             not_before,
             alone,
         )
+        loop = asyncio.get_running_loop()
         sent = loop.time()
         reply: list[Any] = await self._script(keys=keys, args=args)
         read = loop.time()

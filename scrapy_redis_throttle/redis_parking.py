@@ -90,12 +90,6 @@ class RedisParking:
         self._server_clock = ServerClock()  # scrapy-redis's Redis's, not the throttle's
 
     async def park(self, request: Request, ticket: Ticket) -> None:
-        replaced_at = self._seals.replaced_at
-        if ticket.reserved and replaced_at is not None and ticket.reserved_at < replaced_at:
-            # Reserved before this worker read that Redis lost the throttle's state: sealed
-            # with the secret known now, another worker would take its moment for a new one.
-            self._rejections.stats.inc_value(f"{STATS_PREFIX}/lost_reservations")
-            ticket = replace(ticket, reserved=False, reservation=None)
         meta = {name: value for name, value in request.meta.items() if name != LEASE_META}
         member_id = uuid.uuid4().hex.encode()  # two equal requests must stay two members
         ticket_wire = ticket.to_wire()

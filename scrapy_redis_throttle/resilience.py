@@ -33,6 +33,7 @@ from .bucket import AcquireResult, TokenBucket, Unreserved
 from .config import FALLBACK_LOCAL, STATS_PREFIX
 from .connection import ClusterClient, ping
 from .fallback import Fallback, Grant, later
+from .penalties import CLOCK_MARGIN
 from .rejections import Rejections
 from .seals import Seals
 from .tasks import cancel_and_wait
@@ -133,7 +134,6 @@ class ResilientBucket:
         drops its subscription), and a request whose moment was reserved before that calls it
         before it goes (see :meth:`last_voiding`)."""
         secret, replaced = await self._bucket.load_secret()
-        read_at = self._clock.wall()
         if replaced:
             self._rejections.reject(
                 "secret",
@@ -141,8 +141,8 @@ class ResilientBucket:
                 "the fleet's secret in Redis was not one a worker made",
                 "replaced it: the moments reserved before are taken as lost",
             )
-        if self.seals.know(secret, read_at) or replaced:
-            self._state_lost(read_at)
+        if self.seals.know(secret) or replaced:
+            self._state_lost()
         if not isinstance(self._redis, ClusterClient):
             # Redis answers (on a cluster, this says nothing of the other primaries): a worker
             # that paced alone meanwhile would go on from a view of the buckets that may be void.
@@ -158,8 +158,8 @@ class ResilientBucket:
                 "secret", "", str(exc)[:300], "parked requests keep no reservation"
             )
 
-    def _state_lost(self, read_at: float) -> None:
-        self._lost_at = (read_at, self._clock.monotonic())
+    def _state_lost(self) -> None:
+        self._lost_at = (self._clock.wall(), self._clock.monotonic())
         self._stats.inc_value(f"{STATS_PREFIX}/state_lost")
         self.fallback.redis_lost()
         logger.warning(
@@ -170,21 +170,15 @@ class ResilientBucket:
             extra=self._log_extra(),
         )
 
-    def lost(self, reserved_at: float, sealed_at: float | None = None) -> bool:
-        """Whether a moment reserved at *reserved_at* (wall time) was reserved before Redis lost
+    def lost(self, reserved_at: float, elsewhere: bool = False) -> bool:
+        """Whether a moment reserved at *reserved_at* (wall time; *elsewhere*: by another
+        process, whose clock may differ by up to CLOCK_MARGIN) was reserved before Redis lost
         the throttle's state, as far as this worker has read (see :meth:`check_state`). It
         must not be used: its bucket may give a moment reserved there to another request, and
-        one taken alone while Redis failed was placed after moments that are no more. One
-        reserved by another process counts by when its seal was found to be the fleet's
-        (*sealed_at*, this process's clock): sealed with the secret known then, it was
-        reserved before that secret was replaced only if that was before the loss was read
-        here (a worker seals nothing reserved before a loss it read: see
-        :attr:`.Seals.replaced_at`). No other machine's clock is read: allowing for their
-        differences took the moments reserved in the second after a loss as lost too, and
-        their requests asked again behind the backlog."""
+        one taken alone while Redis failed was placed after moments that are no more."""
         if self._lost_at is None:
             return False
-        return (reserved_at if sealed_at is None else sealed_at) < self._lost_at[0]
+        return reserved_at < self._lost_at[0] + (CLOCK_MARGIN if elsewhere else 0.0)
 
     def _drained_until(self, limit: Limit) -> float:
         """Until when (loop time; 0: not later than now) a bucket of *limit* counts as busy

@@ -29,23 +29,18 @@ class Seals:
         self._secret: bytes | None = None
         # The one known before it: what it sealed holds moments Redis lost.
         self._previous: bytes | None = None
-        self.replaced_at: float | None = None
-        """Wall time when the secret known now replaced another (None: it replaced none): a
-        moment reserved before it is lost, and is sealed as no reservation."""
 
     @property
     def known(self) -> bool:
         return self._secret is not None
 
-    def know(self, secret: bytes, at: float = 0.0) -> bool:
-        """Seal with *secret*, read at *at* (wall time), from now on; whether it replaces
-        another one (Redis lost the throttle's state since that one was read)."""
+    def know(self, secret: bytes) -> bool:
+        """Seal with *secret* from now on; whether it replaces another one (Redis lost the
+        throttle's state since that one was read)."""
         if secret == self._secret:
             return False
         replaced = self._secret is not None
         self._previous, self._secret = self._secret, secret
-        if replaced:
-            self.replaced_at = at
         return replaced
 
     def seal(self, message: bytes) -> str | None:

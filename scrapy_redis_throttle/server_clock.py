@@ -10,8 +10,6 @@ site saw its request squeezed against the next one, placed on time by another re
 from __future__ import annotations
 
 import asyncio
-import math
-from collections import deque
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -30,14 +28,6 @@ if TYPE_CHECKING:
     # Reads Redis's TIME (seconds, microseconds): Redis.time, or a cluster node's.
     ServerTime = Callable[[], Awaitable[Any]]
 
-# A request that cannot go within this long after its reserved moment (given back late by the
-# parking area, woken late by a busy process, or whose answer was read late, even one that let
-# it go at once) asks for a new one: going that late would squeeze it against the requests of
-# the moments after its own, at the site (see waiting.py).
-MISSED_AFTER = 0.05
-# The way to Redis is slow when the fastest of this many last round trips is: one slow reply
-# is a busy process (it read it late), all of them a slow way.
-ROUND_TRIPS_KEPT = 8
 # How many times to read Redis's TIME before the first replies: the narrowest bounds of a few
 # round trips at start-up, when a process is busy, are fair first bounds.
 FIRST_READS = 3
@@ -67,8 +57,6 @@ class ServerClock:
         self._generations: list[tuple[float, float]] = []
         """(upper, lower) bounds of the offset, this generation's last."""
         self._generation_ends = 0.0
-        self._round_trips: deque[float] = deque(maxlen=ROUND_TRIPS_KEPT)
-        """How long the last replies took, from sent to read (loop time)."""
 
     def server_us(self, loop_time: float) -> float | None:
         """Redis's time (µs since the scripts' epoch) at *loop_time*, as late as it may be
@@ -94,23 +82,6 @@ class ServerClock:
         if not self._known_at(asyncio.get_running_loop().time()):
             return None
         return (moment - self._bounds()[1]) * 1e6
-
-    def not_before_us(self, sent: float) -> int:
-        """The earliest moment (µs by Redis's clock, whole) to ask Redis for in a call *sent*
-        now (loop time): the earliest it will read the reply, when the way to Redis is too
-        slow for a request to go at a moment Redis gives at once (the fastest of the last
-        ROUND_TRIPS_KEPT round trips took over :data:`MISSED_AFTER`); else 0 (none). A reply
-        that comes back late means that its moment is reserved late, not that its request
-        may go late, squeezed against the next one: each request keeps its place, and the
-        calls under way together keep the rate. A busy process that reads some replies late
-        asks nothing: its requests miss those moments, as before, and ask again."""
-        if len(self._round_trips) < ROUND_TRIPS_KEPT:
-            return 0
-        round_trip = min(self._round_trips)
-        if round_trip <= MISSED_AFTER:
-            return 0
-        server_us = self.server_us(sent + round_trip)
-        return 0 if server_us is None else math.ceil(server_us)
 
     def placed(self, moment: float, moment_us: float | None) -> float:
         """A *moment* (loop time) placed by earlier bounds, as the recent bounds place it
@@ -153,7 +124,6 @@ class ServerClock:
         (loop times), that its script timed at *server_us* (µs by Redis's clock): never
         before it did, nor after *read*."""
         server = server_us / 1e6  # from the scripts' epoch: the offset takes it in
-        self._round_trips.append(read - sent)
         upper, lower = read - server, sent - server
         if self._generations:
             known_upper, known_lower = self._bounds()

@@ -61,9 +61,6 @@ class Ticket:
     reservation: Reservation | None = None
     """Reserved in Redis: what its bucket takes back when the request is dropped or asks anew
     instead (see :meth:`.TokenBucket.unreserve`)."""
-    sealed_at: float | None = None
-    """Reserved in another process: wall time (this process's clock) when its seal was found to
-    be the fleet's, by the secret known then (see :meth:`.ResilientBucket.lost`)."""
 
     def moment(self, clock: ServerClock) -> float:
         """The monotonic time of its reserved moment: by *clock* (the throttle's Redis's) when it
@@ -118,7 +115,6 @@ class Ticket:
                 elsewhere,
                 None if moment_us is None else float(moment_us),
                 _reservation(value[6]) if reserved and len(value) == 8 else None,
-                now if reserved and elsewhere else None,
             )
         return cls(domain, due, False, False, now, now, elsewhere=True)
 

@@ -13,7 +13,6 @@ from scrapy.exceptions import IgnoreRequest
 from .config import FALLBACK_WAIT, STATS_PREFIX
 from .metrics import ACQUIRED, PAUSED_LIVE, UNTHROTTLED
 from .parking import RELEASE_AHEAD
-from .server_clock import MISSED_AFTER
 from .tickets import Ticket
 
 if TYPE_CHECKING:
@@ -35,6 +34,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# A request that cannot go within this long after its reserved moment (given back late by the
+# parking area, woken late by a busy process, or whose answer was read late, even one that let
+# it go at once) asks for a new one: going that late would squeeze it against the requests of
+# the moments after its own, at the site.
+MISSED_AFTER = 0.05
 # A timer may fire this early (the loop's clock resolution): the moment has come.
 MOMENT_SLACK = 0.001
 # When the request left for the download (loop time), for the adaptive rate.
@@ -67,7 +71,7 @@ class SharedBucket(Protocol):
 
     async def last_voiding(self, domain: str) -> tuple[bool, Voiding | None]: ...
 
-    def lost(self, reserved_at: float, sealed_at: float | None = None) -> bool: ...
+    def lost(self, reserved_at: float, elsewhere: bool = False) -> bool: ...
 
 
 class Turns:
@@ -125,7 +129,6 @@ class Turns:
                     ticket.elsewhere,
                     ticket.locally,
                     ticket.reservation,
-                    ticket.sealed_at,
                 ):
                     self._went(request, budget, since, True, ticket.reservation)
                     return WENT
@@ -216,12 +219,11 @@ class Turns:
         elsewhere: bool = False,
         local: bool = False,
         reservation: Reservation | None = None,
-        sealed_at: float | None = None,
     ) -> bool:
         """Wait for the *moment* (loop time; *moment_us*: by Redis's clock, if Redis gave it)
-        reserved for *domain* at *reserved_at* (*reservation*: in Redis; *sealed_at*: see
-        :attr:`.Ticket.sealed_at`): True when it comes, False as soon as it is void (see
-        :meth:`_still_reserved`) or missed (see :meth:`_missed`)."""
+        reserved for *domain* at *reserved_at* (*reservation*: in Redis): True when it comes,
+        False as soon as it is void (see :meth:`_still_reserved`) or missed (see
+        :meth:`_missed`)."""
         while True:
             await self._pauses.sleep(domain, moment - self._clock.monotonic())
             # Placed by the bounds Redis's clock had then: those of a reply read late put it
@@ -230,7 +232,7 @@ class Turns:
             if (
                 self._missed(domain, moment)
                 or not await self._still_reserved(
-                    domain, reserved_at, moment, elsewhere, local, reservation, sealed_at
+                    domain, reserved_at, moment, elsewhere, local, reservation
                 )
                 or self._missed(domain, moment)  # Redis answered the voiding's read too late
             ):
@@ -262,7 +264,6 @@ class Turns:
         elsewhere: bool = False,
         local: bool = False,
         reservation: Reservation | None = None,
-        sealed_at: float | None = None,
     ) -> bool:
         """Whether a request may go at the *moment* it reserved at *reserved_at* (see
         :meth:`.Pauses.is_void`; *elsewhere*: in another process, maybe; *reservation*: in
@@ -288,7 +289,7 @@ class Turns:
         if self._pauses.is_void(domain, reserved_at, moment, elsewhere, reserved_us):
             self._stats.inc_value(f"{STATS_PREFIX}/paused_reservations")
             return False
-        if self._bucket.lost(reserved_at, sealed_at):
+        if self._bucket.lost(reserved_at, elsewhere):
             # Redis restarted empty since: its bucket may give the moment to another request,
             # and one taken alone was placed after moments that are no more.
             self._stats.inc_value(f"{STATS_PREFIX}/lost_reservations")

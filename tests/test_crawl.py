@@ -78,7 +78,7 @@ async def test_two_domains_are_paced_at_their_own_rates(
     stats = crawler.stats.get_stats()
     for host, rate in ((A, 5.0), (B, 2.0)):
         assert_released_paced(stats, site.arrivals(host), rate, 1, host)
-        # A slot a busy worker missed (by over server_clock.MISSED_AFTER) is lost, for politeness.
+        # A slot a busy worker missed (by over waiting.MISSED_AFTER) is lost, for politeness.
         achieved = achieved_rate(times(site, host), 1, missed_moments(stats, host))
         assert achieved >= 0.9 * rate, f"{host}: {achieved:.2f}/s achieved, limit {rate}/s"
     assert stats["test/responses"] == 30

@@ -120,7 +120,7 @@ def test_every_domain_uses_its_whole_budget(
         times = sorted(a.time for a in arrivals[host])
         busy = [t for t in times if stopped is None or t <= stopped]
         assert len(busy) >= domain.burst + 2, f"{host}: only {len(busy)} arrivals"
-        # A slot a busy worker missed (by over server_clock.MISSED_AFTER) is lost, for politeness.
+        # A slot a busy worker missed (by over waiting.MISSED_AFTER) is lost, for politeness.
         missed = missed_moments([end.stats for end in ends], host)
         utilisations[host] = achieved_rate(busy, domain.burst, missed) / domain.rate
         print(

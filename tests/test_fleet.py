@@ -149,7 +149,7 @@ def test_fleet_shares_each_domain_budget_and_fetches_every_page_once(
             window = quota.period - ARRIVAL_JITTER
             most = busiest_window(went, window)
             assert most <= quota.count, f"{host}: {most} in {window:g} s, limit {limit}"
-        # A slot a busy worker missed (by over server_clock.MISSED_AFTER) is lost to the budget, for
+        # A slot a busy worker missed (by over waiting.MISSED_AFTER) is lost to the budget, for
         # politeness: counted, and only those.
         missed = missed_moments(releases, host)
         achieved = achieved_rate([a.time for a in arrivals], limit.burst, missed)

@@ -605,41 +605,6 @@ def sealing_store(
 
 
 @async_test
-async def test_a_moment_reserved_before_a_loss_its_worker_read_is_parked_as_none(
-    redis_server: RedisServer,
-) -> None:
-    """A worker that read that Redis lost the throttle's state seals with the new secret: a
-    moment it reserved before (the read came between its acquire and its park) would count
-    as the new buckets' for whichever worker takes it back. It is parked as no reservation
-    (counted lost); one reserved after the read keeps its own."""
-    stats = MemoryStatsCollector(get_crawler())
-    seals, now = Seals(), time.time()
-    seals.know(b"s" * 64)
-    seals.know(b"t" * 64, at=now)
-    store = RedisParking(
-        connect_url(redis_server.url, {}, 1),
-        "lost:parked",
-        CodecSpider(),
-        Rejections(stats, dict),
-        Clock(),
-        seals=seals,
-    )
-    loop_now = asyncio.get_running_loop().time()
-    reservation = Reservation(9_000_000_000_000, 60_000_000, 8_000_000_000_000)
-    try:
-        for path, reserved_at in (("before", now - 0.001), ("after", now)):
-            ticket = Ticket(A, loop_now, True, False, reserved_at, reserved_at, False, 1e15,
-                            reservation)  # fmt: skip
-            await store.park(Request(f"http://{A}/{path}"), ticket)
-        due, _ = await store.unpark(60.0, 10)
-    finally:
-        await store.close(keep=False)
-    reserved = {request.url.rsplit("/", 1)[1]: ticket.reserved for request, ticket in due}
-    assert reserved == {"before": False, "after": True}
-    assert stats.get_value("redis_throttle/lost_reservations") == 1
-
-
-@async_test
 async def test_parked_tickets_count_only_with_the_fleets_seal(redis_server: RedisServer) -> None:
     """Whoever may write into scrapy-redis's Redis may forge a parked request's ticket: "my
     moment is reserved" (it would go without asking the bucket), or a reservation to give back

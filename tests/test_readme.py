@@ -37,7 +37,7 @@ IDLE_CLOSE = 1
 
 def missed(logs: list[str], host: str) -> int:
     """The moments the workers were too busy to use for *host* (each asked anew, its turn
-    lost for politeness: see server_clock.MISSED_AFTER), from their DEBUG lines."""
+    lost for politeness: see waiting.MISSED_AFTER), from their DEBUG lines."""
     return sum(log.count(f"missed its moment for '{host}'") for log in logs)
 
 

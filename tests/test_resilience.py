@@ -316,8 +316,8 @@ class RecordingBucket:
     async def last_voiding(self, domain: str) -> tuple[bool, Voiding | None]:
         return await self.bucket.last_voiding(domain)
 
-    def lost(self, reserved_at: float, sealed_at: float | None = None) -> bool:
-        return self.bucket.lost(reserved_at, sealed_at)
+    def lost(self, reserved_at: float, elsewhere: bool = False) -> bool:
+        return self.bucket.lost(reserved_at, elsewhere)
 
 
 @pytest.mark.parametrize("listening", [True, False], ids=["listening", "not-listening"])

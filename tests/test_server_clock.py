@@ -4,23 +4,15 @@ when Redis decided a reply, by the bounds of the recent replies, never before it
 from __future__ import annotations
 
 import asyncio
-import math
 
 import pytest
 import redis.asyncio
 from local_redis import RedisServer
 from support import async_test
-from tcp_proxy import TcpProxy
 
 from scrapy_redis_throttle.bucket import TokenBucket
 from scrapy_redis_throttle.connection import ClusterClient
-from scrapy_redis_throttle.rates import Limit
-from scrapy_redis_throttle.server_clock import (
-    FIRST_READS,
-    GENERATION,
-    ROUND_TRIPS_KEPT,
-    ServerClock,
-)
+from scrapy_redis_throttle.server_clock import FIRST_READS, GENERATION, ServerClock
 
 # Redis's clock (µs) runs 1,000 s ahead of the loop's (s) in these cases.
 AHEAD = 1000.0
@@ -77,54 +69,6 @@ def test_a_clock_that_steps_forward_is_followed_at_once() -> None:
     clock.decided_at(10.0, 10.001, server_us(10.0005))
     assert clock.decided_at(11.0, 11.001, server_us(11.0005) + 1e6) == approx(11.001)
     assert clock.decided_at(12.0, 12.2, server_us(12.0005) + 1e6) == approx(12.001)
-
-
-def test_a_call_asks_for_no_moment_before_its_reply_is_read_when_the_way_is_slow() -> None:
-    """The fastest of the last ROUND_TRIPS_KEPT round trips within MISSED_AFTER: a moment Redis
-    gives at once is on time, nothing to ask (one reply read late is a busy process). Over
-    it: the next call asks for no moment before its own reply can be read, by Redis's clock, as
-    late as the bounds allow; one fast reply since makes it go."""
-    clock = ServerClock()
-    for n in range(ROUND_TRIPS_KEPT):
-        clock.decided_at(10.0 + n, 10.001 + n, server_us(10.0005 + n))
-    clock.decided_at(20.0, 20.4, server_us(20.2))  # one slow reply among fast ones
-    assert clock.not_before_us(21.0) == 0
-    for n in range(ROUND_TRIPS_KEPT - 1):
-        clock.decided_at(22.0 + n, 22.3 + n, server_us(22.15 + n))  # 150 ms each way
-    expected = clock.server_us(31.3)
-    assert expected is not None
-    assert clock.not_before_us(31.0) == math.ceil(expected), "the fastest: 300 ms"
-    assert expected >= server_us(31.3), "not before the reply can be read"
-    clock.decided_at(32.0, 32.001, server_us(32.0005))
-    assert clock.not_before_us(33.0) == 0
-
-
-@async_test
-async def test_a_reply_that_comes_back_late_reserves_its_moment_late() -> None:
-    """A 200 ms latency spike on the way to Redis (100 ms each way), the clock learned before
-    it: an idle bucket's answer "go now" came back 100 ms after its moment, over MISSED_AFTER,
-    and its request asked again, burning a token each time (a slow Redis starved the fleet).
-    Once the last ROUND_TRIPS_KEPT replies were all that slow, each call reserves a moment no
-    sooner than its reply can be read: its request goes in its place, not late."""
-    loop = asyncio.get_running_loop()
-    idle = Limit(rate=5, burst=5, text="5/s")
-    with RedisServer() as server, TcpProxy(server.port) as proxy:
-        client = redis.asyncio.Redis.from_url(proxy.url)
-        bucket = TokenBucket(client, "clock-test")
-        for n in range(ROUND_TRIPS_KEPT):
-            await bucket.acquire(f"warm-{n}.example", idle)
-        proxy.latency = 0.1
-        ahead = []
-        for n in range(ROUND_TRIPS_KEPT + 3):
-            sent = loop.time()
-            result = await bucket.acquire(f"idle-{n}.example", idle, reserve=10)
-            assert result.allowed or result.reserved
-            # Its moment, from when the call was sent (the way there and back is >= 200 ms).
-            ahead.append(result.decided(loop.time()) + result.retry_after - sent)
-        await bucket.aclose()
-        await client.aclose()
-    assert all(each < 0.2 for each in ahead[:ROUND_TRIPS_KEPT]), f"as before: {ahead}"
-    assert all(each >= 0.19 for each in ahead[ROUND_TRIPS_KEPT:]), f"read before: {ahead}"
 
 
 @async_test

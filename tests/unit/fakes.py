@@ -162,9 +162,8 @@ class MemoryBucket:
         self.voiding_reads += 1
         return self.voiding
 
-    def lost(self, reserved_at: float, sealed_at: float | None = None) -> bool:
-        at = reserved_at if sealed_at is None else sealed_at
-        return self.lost_at is not None and at < self.lost_at
+    def lost(self, reserved_at: float, elsewhere: bool = False) -> bool:
+        return self.lost_at is not None and reserved_at < self.lost_at
 
 
 class FakeDownloader:

@@ -14,9 +14,8 @@ from scrapy_redis_throttle.bucket import AcquireResult, Voiding
 from scrapy_redis_throttle.budgets import RequestBudget
 from scrapy_redis_throttle.config import FALLBACK_LOCAL, FALLBACK_WAIT
 from scrapy_redis_throttle.parking import RELEASE_AHEAD
-from scrapy_redis_throttle.server_clock import MISSED_AFTER
 from scrapy_redis_throttle.tickets import Ticket
-from scrapy_redis_throttle.waiting import SENT_META, WENT, DroppedAtClose
+from scrapy_redis_throttle.waiting import MISSED_AFTER, SENT_META, WENT, DroppedAtClose
 
 TWO_PER_SECOND = limit("2/s")
 BURST_THREE = limit("2/s", burst=3)
