@@ -96,18 +96,22 @@ def one_line_settings(
 
 
 def fleet_jobs(
-    site: DemoSite, settings: dict[str, Any], counts: dict[str, int], rates: dict[str, Any]
+    site: DemoSite,
+    settings: dict[str, Any],
+    counts: dict[str, int],
+    rates: dict[str, Any],
+    workers: int = WORKERS,
 ) -> list[dict[str, Any]]:
-    """WORKERS jobs that share *counts* pages per host between them, each page in one job, and
-    report what their throttles did (see :mod:`releases`)."""
+    """*workers* jobs that share *counts* pages per host between them, each page in one job,
+    and report what their throttles did (see :mod:`releases`)."""
     requests = [spec for host, count in counts.items() for spec in pages(site, host, count)]
     return [
         {
             "settings": {**settings, "EXTENSIONS": RELEASES_EXTENSION},
-            "requests": requests[worker::WORKERS],
+            "requests": requests[worker::workers],
             "spider_attributes": {"redis_throttle_rates": rates},
         }
-        for worker in range(WORKERS)
+        for worker in range(workers)
     ]
 
 

@@ -38,6 +38,7 @@ from fleet_runs import (
     check_ended_well,
     fetched,
     fleet,
+    fleet_jobs,
     one_line_settings,
     progress,
     refusals,
@@ -47,7 +48,6 @@ from fleet_runs import (
 )
 from local_redis import RedisServer
 from processes import wait_until
-from releases import EXTENSION as RELEASES_EXTENSION
 from scrapy import Request
 from scrapy_redis import defaults as scrapy_redis_defaults
 from scrapy_redis import picklecompat
@@ -88,21 +88,12 @@ def restart_jobs(site: DemoSite, settings: dict[str, Any], logs: Path) -> list[d
     """WORKERS jobs that share the frontier (COUNTS) between them, each page in one job, each
     worker logging at INFO to a file of its own in *logs* (at DEBUG, six workers that log each
     request's wait starve each other on two cores)."""
-    requests = [spec for host, count in COUNTS.items() for spec in pages(site, host, count)]
-    return [
-        {
-            "settings": {
-                **settings,
-                "EXTENSIONS": RELEASES_EXTENSION,
-                "LOG_LEVEL": "INFO",
-                "LOG_FORMAT": LOG_FORMAT,
-                "LOG_FILE": str(logs / f"worker-{worker}.log"),
-            },
-            "requests": requests[worker::WORKERS],
-            "spider_attributes": {"redis_throttle_rates": RATES},
-        }
-        for worker in range(WORKERS)
-    ]
+    jobs = fleet_jobs(site, settings, COUNTS, RATES, WORKERS)
+    for worker, job in enumerate(jobs):
+        job["settings"].update(
+            LOG_LEVEL="INFO", LOG_FORMAT=LOG_FORMAT, LOG_FILE=str(logs / f"worker-{worker}.log")
+        )
+    return jobs
 
 
 def queue_new_pages(site: DemoSite, redis_url: str) -> None:

@@ -28,7 +28,6 @@ import json
 import subprocess
 import time
 from collections import Counter
-from typing import Any
 
 import pytest
 import redis
@@ -39,6 +38,7 @@ from fleet_runs import (
     check_ended_well,
     fetched,
     fleet,
+    fleet_jobs,
     interrupt,
     one_line_settings,
     progress,
@@ -49,11 +49,9 @@ from fleet_runs import (
 )
 from local_redis import RedisServer
 from processes import wait_until
-from releases import EXTENSION as RELEASES_EXTENSION
 from releases import MISSED
 from scrapy_redis import defaults as scrapy_redis_defaults
 from spiders import UrlListSpider
-from support import pages
 from tcp_proxy import TcpProxy
 
 from scrapy_redis_throttle.redis_schema import parking_key
@@ -86,19 +84,6 @@ PARKED_KEY = parking_key(scrapy_redis_defaults.SCHEDULER_QUEUE_KEY % {"spider": 
 # Stats of the throttle quoted on a failure, per worker.
 QUOTED = ("missed_moments", "park_requests", "parked", "delayed", "allowed_immediately",
           "redis_calls", "voidings_read", "wait_time_max", "lost_reservations", "outages")  # fmt: skip
-
-
-def slow_redis_jobs(site: DemoSite, settings: dict[str, Any]) -> list[dict[str, Any]]:
-    """WORKERS jobs that share the frontier (COUNTS) between them, each page in one job."""
-    requests = [spec for host, count in COUNTS.items() for spec in pages(site, host, count)]
-    return [
-        {
-            "settings": {**settings, "EXTENSIONS": RELEASES_EXTENSION},
-            "requests": requests[worker::WORKERS],
-            "spider_attributes": {"redis_throttle_rates": RATES},
-        }
-        for worker in range(WORKERS)
-    ]
 
 
 def count(arrivals: list[Arrival], start: float, end: float, host: str | None = None) -> int:
@@ -177,7 +162,8 @@ def test_a_fleet_keeps_every_budget_while_the_throttles_redis_is_slow(
         settings = one_line_settings(
             redis_server.url, None, addon=True, REDIS_THROTTLE_URL=proxy.url
         )
-        with fleet(redis_server.url, slow_redis_jobs(site, settings)) as workers:
+        jobs = fleet_jobs(site, settings, COUNTS, RATES, WORKERS)
+        with fleet(redis_server.url, jobs) as workers:
             wait_until(lambda: site.arrivals(), 30, "a first arrival")
             began = time.monotonic()
 

@@ -110,6 +110,20 @@ async def send(clock: FakeClock, bucket: ResilientBucket, each: Limit, until: fl
     return sent
 
 
+async def fleet_of(clock: FakeClock, size: int) -> tuple[list[ResilientBucket], FlakyScripts]:
+    """*size* workers on one Redis (the same scripts), each knowing the fleet's secret."""
+    scripts = FlakyScripts(clock)
+    workers = [resilient_bucket(clock, fleet=size, scripts=scripts)[0] for _ in range(size)]
+    for bucket in workers:
+        await bucket.check_state()
+    return workers, scripts
+
+
+def restarted_empty(clock: FakeClock, scripts: FlakyScripts) -> None:
+    """The scripts' Redis restarted empty: no bucket, and a new secret once a worker reads it."""
+    scripts.bucket, scripts.secret, scripts.up = LocalBuckets(clock.monotonic), b"t" * 64, True
+
+
 def refused_by_the_site(sends: list[float], each: Limit) -> list[float]:
     """The sends a site that allows *each* (its rate and burst, GCRA) would answer 429."""
     interval, tat, refused = 1 / each.rate, -math.inf, []
@@ -129,11 +143,8 @@ async def test_after_a_restart_the_fleet_resumes_within_a_second_at_the_limit() 
     domain goes again within a second of the first read, at its limit, and the site never
     sees more than the limit across the restart."""
     clock = FakeClock()
-    scripts = FlakyScripts(clock)
-    workers = [resilient_bucket(clock, fleet=3, scripts=scripts)[0] for _ in range(3)]
+    workers, scripts = await fleet_of(clock, 3)
     five = limit("5/s", burst=5)
-    for bucket in workers:
-        await bucket.check_state()
     backlog = [await workers[n % 3].acquire(A, five, 1) for n in range(555)]
     moments = [clock.now + grant.result.retry_after for grant in backlog]
     assert moments[-1] - clock.now == pytest.approx(110, abs=0.5)
@@ -145,7 +156,7 @@ async def test_after_a_restart_the_fleet_resumes_within_a_second_at_the_limit() 
     await clock.advance(10)
     # Sent meanwhile: the moments Redis gave before it failed, which the workers still honour.
     before = [at for at in moments if at <= clock.now]
-    scripts.bucket, scripts.secret, scripts.up = LocalBuckets(clock.monotonic), b"t" * 64, True
+    restarted_empty(clock, scripts)
     lost_at = clock.now
     for bucket in workers:
         await bucket.check_state()  # each reads the loss, 0.3 s apart
@@ -170,11 +181,8 @@ async def test_six_workers_at_8_per_second_keep_the_limit_across_a_restart(outag
     new bucket counts as drained when each worker read the loss: no send comes closer to the
     ones before than the limit allows (the one request's time told before let 7 go at once)."""
     clock = FakeClock()
-    scripts = FlakyScripts(clock)
-    workers = [resilient_bucket(clock, fleet=6, scripts=scripts)[0] for _ in range(6)]
+    workers, scripts = await fleet_of(clock, 6)
     eight = limit("8/s", burst=8)
-    for bucket in workers:
-        await bucket.check_state()
     sends = await clock.run(
         asyncio.gather(*(send(clock, bucket, eight, clock.now + 5) for bucket in workers))
     )
@@ -185,7 +193,7 @@ async def test_six_workers_at_8_per_second_keep_the_limit_across_a_restart(outag
             assert not (await bucket.acquire(A, eight, 1)).shared
         await clock.advance(2)
         before += [clock.now]  # the moment each worker took alone went (one is enough here)
-    scripts.bucket, scripts.secret, scripts.up = LocalBuckets(clock.monotonic), b"t" * 64, True
+    restarted_empty(clock, scripts)
     for bucket in workers:
         await bucket.check_state()
         await clock.advance(0.05)
