@@ -103,9 +103,6 @@ class ParkingArea:
         self._parks_done = 0
         self._unparkable_logged = False
         self._next_look = 0.0  # monotonic time of the release loop's next look, while it waits
-        # When (monotonic time) the next parked request is due to come back, as last seen
-        # (None: none is parked): from then on, units of the downloader go to it first.
-        self._due_at: float | None = None
         self._unpark_failing = False
         self._void_failing = False
         # Voidings not yet passed on to the store, by domain.
@@ -140,22 +137,6 @@ class ParkingArea:
         self._parking_tasks.add(task)
         task.add_done_callback(self._parking_tasks.discard)
         return True
-
-    def next_request(self, scheduler_next: Callable[[], Request | None]) -> Request | None:
-        """The engine's next request: one given back first. While parked requests are due
-        and wait for a unit of the downloader, none of the scheduler's (*scheduler_next*): the
-        release loop is woken, and the unit goes to them. Else each unit freed went to the
-        scheduler's next request at once, and with Redis slow (each request holds its unit
-        for a round trip before it is parked) the parked ones missed their moments for as
-        long, while new requests took moments behind them."""
-        if (
-            not self.handoff
-            and self._due_at is not None
-            and self._clock.monotonic() >= self._due_at
-        ):
-            self._wake_up.set()
-            return None
-        return self.handoff.next_request(scheduler_next)
 
     def has_pending_requests(self) -> bool:
         return (
@@ -192,9 +173,6 @@ class ParkingArea:
             return
         self._parks_done += 1
         self._crawler.stats.inc_value(f"{STATS_PREFIX}/parked")
-        comes_back = ticket.due - RELEASE_AHEAD
-        if self._due_at is None or comes_back < self._due_at:
-            self._due_at = comes_back
         if ticket.due - RELEASE_AHEAD < self._next_look:
             # Due before the release loop looks again (a park done while it looks is seen by
             # _release_due itself): one more unpark call, only then.
@@ -263,7 +241,6 @@ class ParkingArea:
         try:
             due, next_due = await self.store.unpark(RELEASE_AHEAD, room)
         except (RedisError, OSError) as exc:
-            self._due_at = None  # the scheduler's requests are not held back on a guess
             # Once per failure, not at every look: the parked requests wait in Redis meanwhile.
             if not self._unpark_failing:
                 self._unpark_failing = True
@@ -276,7 +253,6 @@ class ParkingArea:
                 )
             return retry
         except Exception:
-            self._due_at = None
             logger.exception("Redis throttle: could not look for parked requests")
             return retry
         if self._unpark_failing:
@@ -284,11 +260,6 @@ class ParkingArea:
             logger.info("Redis throttle: parked requests can be looked for again")
         if self._parks_done != parks_before:
             self._wake_up.set()  # a park crossed this look: look again, its count may be missing
-        now = self._clock.monotonic()
-        if len(due) == room:  # more may be due
-            self._due_at = now
-        else:
-            self._due_at = None if next_due is None else now + next_due - RELEASE_AHEAD
         for request, ticket in due:
             if self._stopping:  # the engine is closing: park them again in stop()
                 self.handoff.hold(request, ticket)

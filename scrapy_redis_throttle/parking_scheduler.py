@@ -103,10 +103,10 @@ class ParkingScheduler(BaseScheduler):
         # parked ones come back late: their moments are missed).
         idle_before_close = getattr(self.inner, "idle_before_close", None)
         if not (idle_before_close and (area.handoff.busy() or area.has_pending_requests())):
-            return area.next_request(self._next)
+            return area.handoff.next_request(self._next)
         self.inner.idle_before_close = 0  # type: ignore[attr-defined]
         try:
-            return area.next_request(self._next)
+            return area.handoff.next_request(self._next)
         finally:
             self.inner.idle_before_close = idle_before_close  # type: ignore[attr-defined]
 

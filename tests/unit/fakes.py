@@ -388,7 +388,9 @@ class Yard:
         return request
 
     def next_request(self) -> Request | None:
-        return self.area.next_request(lambda: self.scheduled.pop(0) if self.scheduled else None)
+        return self.area.handoff.next_request(
+            lambda: self.scheduled.pop(0) if self.scheduled else None
+        )
 
     def stat(self, name: str) -> Any:
         return self.crawler.stats.get_value(f"redis_throttle/{name}")

@@ -134,31 +134,6 @@ async def test_requests_given_back_and_not_yet_taken_use_up_the_room() -> None:
 
 
 @async_test
-async def test_a_unit_freed_goes_to_a_parked_request_due_before_the_scheduler_s() -> None:
-    """A full downloader, and a parked request comes due: the unit freed goes to it, not to the
-    scheduler's next request, which took every unit at once (with a slow Redis, each new
-    request holds its unit for a round trip before it is parked, and the parked ones missed
-    their moments by seconds: issue #43)."""
-    yard = Yard(concurrency=1)
-    yard.scheduled.append(Request("http://b.example/new"))
-    yard.crawler.engine.downloader.active = {Request("http://b.example/downloading")}
-    parked = yard.park(yard.ticket(0.6))
-    await yard.clock.advance(0.2)  # due to come back (RELEASE_AHEAD early): no room
-    assert yard.crawler.engine.crawled == []
-    yard.crawler.engine.downloader.active = set()  # the unit is freed: the engine asks
-    assert yard.next_request() is None, "the scheduler's waits"
-    await yard.clock.advance(0)
-    assert yard.crawler.engine.crawled == [parked]
-    assert yard.next_request() is parked
-    assert yard.next_request() is None, "it filled the room: more may be due, a look first"
-    await yard.clock.advance(0)
-    new = yard.next_request()
-    assert new is not None
-    assert new.url == "http://b.example/new"
-    assert yard.scheduled == []
-
-
-@async_test
 async def test_a_voiding_brings_back_what_it_voids_to_ask_again() -> None:
     yard = Yard()
     voided = yard.park(yard.ticket(10.0), 1)
