@@ -142,11 +142,12 @@ class Pause:
             return reserved_us < self.at_us
         return self.heard + (CLOCK_MARGIN if elsewhere else 0.0) > reserved_at
 
-    def covers(self, other: Pause) -> bool:
-        """Whether it voids whatever *other* voids (within SAME_PAUSE: one read again)."""
+    def covers(self, other: Pause, slack: float = 0.0) -> bool:
+        """Whether it voids whatever *other* voids (within *slack* seconds: SAME_PAUSE for one
+        read again)."""
         return (
-            self.heard >= other.heard - SAME_PAUSE
-            and self.until >= other.until - SAME_PAUSE
+            self.heard >= other.heard - slack
+            and self.until >= other.until - slack
             and (other.at_us is None or (self.at_us is not None and self.at_us >= other.at_us))
         )
 
@@ -228,8 +229,9 @@ class Pauses:
         seconds = min(seconds, self._longest)
         new = Pause(self._clock.wall() - age, self._clock.monotonic() + seconds, at_us)
         pauses = self._under_way(domain)
-        if any(each.covers(new) for each in pauses):
+        if any(each.covers(new, SAME_PAUSE) for each in pauses):
             return
+        # One that voids nothing this one does not is dropped (exactly: no slack).
         pauses = [each for each in pauses if not new.covers(each)]
         pauses.append(new)
         if len(pauses) > PAUSES_PER_DOMAIN:

@@ -267,13 +267,12 @@ class Turns:
     ) -> bool:
         """Whether a request may go at the *moment* it reserved at *reserved_at* (see
         :meth:`.Pauses.is_void`; *elsewhere*: in another process, maybe; *reservation*: in
-        Redis, which tells when by Redis's clock): not if a pause, or a
-        change of the rate, voided it since, or Redis lost the throttle's state since it was
-        reserved, there or alone (see :meth:`.ResilientBucket.lost`); it must ask Redis
-        again. For a moment reserved in Redis (not *local*ly, while Redis failed), a pause
-        published while this worker was not listening is read from Redis; if Redis cannot
-        tell, the request goes by what this worker heard (under the ``"wait"`` policy, it asks
-        again)."""
+        Redis, which tells when by Redis's clock): not if a pause, or a change of the rate,
+        voided it since, or Redis lost the throttle's state since it was reserved, there or
+        alone (see :meth:`.ResilientBucket.lost`); it must ask Redis again. For a moment
+        reserved in Redis (not *local*ly, while Redis failed), a pause published while this
+        worker was not listening is read from Redis; if Redis cannot tell, the request goes by
+        what this worker heard (under the ``"wait"`` policy, it asks again)."""
         if not local and not self._pauses.knows_voidings(domain, reserved_at, elsewhere):
             self._stats.inc_value(f"{STATS_PREFIX}/voidings_read")
             read_at = self._clock.wall()
