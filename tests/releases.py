@@ -1,5 +1,6 @@
 """A Scrapy extension for the tests: when each request left the throttle for the download, and
-the moments the throttle missed, per domain. Every test crawl has it (``spiders.BASE_SETTINGS``
+the moments the throttle missed, per domain; in a ``RELEASES_DIR``, also the moments it reserved
+(a killed worker's are lost with the requests it had not parked yet). Every test crawl has it (``spiders.BASE_SETTINGS``
 and ``crawl_worker.py``); a fleet of ``scrapy crawl shop`` processes takes it with
 ``-s EXTENSIONS=...`` and ``-s RELEASES_DIR=<path>``.
 
@@ -29,11 +30,18 @@ from scrapy_redis_throttle import waiting
 if TYPE_CHECKING:
     from scrapy.crawler import Crawler
 
-# Stats: {host: [wall times]} and {domain: count}.
+# Stats: {host: [wall times]} and {domain: count}; from read_dir, also {domain: [[wall time,
+# URL]]} of the moments reserved and of the releases, and the process's PID.
 RELEASED = "test/released"
 MISSED = "test/missed"
+RESERVED = "test/reserved"
+RELEASED_URLS = "test/released_urls"
+PID = "test/pid"
 EXTENSION = {f"{__name__}.Releases": 0}
 MISSED_MESSAGE = "Redis throttle: a request missed its moment"
+# The debug records of a request given a moment (held, or parked: a moment is reserved for it
+# unless it must wait over REDIS_THROTTLE_MAX_RESERVE), and their wait in "delay".
+RESERVED_MESSAGES = ("Redis throttle: %(request)s waits ", "Redis throttle: %(request)s parked ")
 
 
 class Releases(logging.Handler):
@@ -64,19 +72,27 @@ class Releases(logging.Handler):
     def request_reached(self, request: Request) -> None:
         url = urlparse_cached(request)
         if url.path != "/robots.txt":  # Scrapy's, not the crawl's (tests judge pages)
-            self._add(RELEASED, url.hostname or "", time.time())
+            self._add(RELEASED, url.hostname or "", time.time(), request.url)
 
     def emit(self, record: logging.LogRecord) -> None:
-        if str(record.msg).startswith(MISSED_MESSAGE) and isinstance(record.args, Mapping):
-            self._add(MISSED, str(record.args["domain"]), time.time())
+        message, args = str(record.msg), record.args
+        if not isinstance(args, Mapping):
+            return
+        if message.startswith(MISSED_MESSAGE):
+            self._add(MISSED, str(args["domain"]), time.time())
+        elif message.startswith(RESERVED_MESSAGES):
+            request, delay = args["request"], args["delay"]
+            assert isinstance(request, Request)
+            assert isinstance(delay, float)
+            self._add(RESERVED, str(args["domain"]), record.created + delay, request.url)
 
-    def _add(self, kind: str, domain: str, at: float) -> None:
+    def _add(self, kind: str, domain: str, at: float, url: str | None = None) -> None:
         if kind == RELEASED:
             self.released[domain].append(at)
-        else:
+        elif kind == MISSED:
             self.missed[domain] += 1
         if self._log is not None:
-            self._log.write(json.dumps([kind, domain, at]) + "\n")
+            self._log.write(json.dumps([kind, domain, at, url]) + "\n")
 
     def spider_opened(self) -> None:
         logger = logging.getLogger(waiting.__name__)
@@ -103,13 +119,27 @@ def read_dir(directory: Path, since: float = 0.0) -> list[dict[str, Any]]:
     for path in sorted(directory.glob("releases-*.jsonl")):
         released: defaultdict[str, list[float]] = defaultdict(list)
         missed: Counter[str] = Counter()
+        urls: dict[str, defaultdict[str, list[tuple[float, str]]]] = {
+            RESERVED: defaultdict(list),
+            RELEASED_URLS: defaultdict(list),
+        }
         for line in path.read_text().splitlines():
-            kind, domain, at = json.loads(line)
+            kind, domain, at, url = json.loads(line)
             if at < since:
                 continue
             if kind == RELEASED:
                 released[domain].append(at)
-            else:
+                urls[RELEASED_URLS][domain].append((at, url))
+            elif kind == MISSED:
                 missed[domain] += 1
-        every.append({RELEASED: dict(released), MISSED: dict(missed)})
+            else:
+                urls[RESERVED][domain].append((at, url))
+        every.append(
+            {
+                RELEASED: dict(released),
+                MISSED: dict(missed),
+                **{kind: dict(each) for kind, each in urls.items()},
+                PID: int(path.stem.removeprefix("releases-")),
+            }
+        )
     return every

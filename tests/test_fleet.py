@@ -21,6 +21,7 @@ from demo_site import HOSTS, DemoSite
 from local_redis import RedisServer
 from redis_topologies import Topology, throttle_settings
 from releases import EXTENSION as RELEASES_EXTENSION
+from releases import PID, RELEASED_URLS, RESERVED
 from releases import read_dir as read_releases
 from run_demo import (
     Run,
@@ -169,9 +170,8 @@ def test_a_killed_worker_does_not_stop_the_others_from_keeping_the_limit(
     workers[0].send_signal(signal.SIGKILL)
     killed_at = time.time()
     workers[0].wait(timeout=10)
-    # The rate is measured once the killed worker's reservations have passed: from the kill,
-    # not from the last arrival before it (in CI, one that came over 0.5 s before the kill left
-    # the killed worker's last moments after that mark: a hole of 1.0 s, 3.54/s of 4/s).
+    # The rate is measured once the killed worker's held and parked-again requests would have
+    # gone: from the kill, not from the last arrival before it.
     resumed_at = killed_at + LOST_RESERVATIONS
     wait_until(
         lambda: sum(a.wall_time > resumed_at for a in site.arrivals(host)) >= 24,
@@ -190,13 +190,25 @@ def test_a_killed_worker_does_not_stop_the_others_from_keeping_the_limit(
         )
     # Judged by the releases, as the pace above (an arrival comes later by its connection's
     # time). A slot a busy worker missed is lost, for politeness (seen: 3.53/s with two test
-    # suites side by side on 2 cores).
+    # suites side by side on 2 cores); so is one the killed worker reserved for a request it
+    # had not parked yet, which comes back only when its lease expires (seen in CI: a hole of
+    # 1.0 s, 6 s after the kill).
     since = fleet_run.releases(since=resumed_at)
     after = released(since, host)
     missed = missed_moments(since, host)
-    achieved = achieved_rate(after, limit.burst, missed)
+    lost = lost_with(since, workers[0].pid, host, until=after[-1])
+    achieved = achieved_rate(after, limit.burst, missed + len(lost))
     gaps = sorted(later - earlier for earlier, later in itertools.pairwise(after))
     assert achieved >= 0.9 * limit.rate, (
-        f"after the kill: {achieved:.2f}/s with {missed} missed moments, limit {limit}; "
-        f"{len(after)} releases, longest gaps {[round(gap, 3) for gap in gaps[-3:]]}"
+        f"after the kill: {achieved:.2f}/s with {missed} missed moments and {len(lost)} lost "
+        f"with the killed worker, limit {limit}; {len(after)} releases, longest gaps "
+        f"{[round(gap, 3) for gap in gaps[-3:]]}"
     )
+
+
+def lost_with(releases: list[dict[str, Any]], pid: int, host: str, until: float) -> list[float]:
+    """The moments of *host* up to *until* that the worker *pid* reserved (before it was
+    killed) for requests that no worker sent in these *releases*: lost with it."""
+    [killed] = [each for each in releases if each[PID] == pid]
+    went = {url for each in releases for _, url in each[RELEASED_URLS].get(host, [])}
+    return [at for at, url in killed[RESERVED].get(host, []) if at <= until and url not in went]
