@@ -89,7 +89,9 @@ async def test_two_domains_are_paced_at_their_own_rates(
     immediately = stats.get("redis_throttle/allowed_immediately", 0)
     assert 2 - missed <= immediately <= 2, "one request per domain, the burst"
     assert immediately + stats["redis_throttle/delayed"] == 30
-    assert 3.5 < stats["redis_throttle/wait_time_max"] < 5
+    # The last of ~4 s of moments; each missed moment puts the rest of its domain's requests
+    # one interval (at most 0.5 s) later.
+    assert 3.5 < stats["redis_throttle/wait_time_max"] < 5 + 0.5 * missed
     assert stats["redis_throttle/wait_time_total"] > stats["redis_throttle/wait_time_max"]
     # One call per request, even when it waits: its tokens are reserved in that call.
     assert stats["redis_throttle/redis_calls"] == 30 + missed
