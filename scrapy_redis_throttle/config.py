@@ -52,7 +52,10 @@ DEFAULT_BURST = 1
 DEFAULT_KEY_PREFIX = "redis_throttle"
 DEFAULT_MAX_HOLD = 1.0
 DEFAULT_MAX_RESERVE = 300.0
-DEFAULT_PROBE_INTERVAL = 5.0
+# Also how long, after Redis is back, another worker may still pace alone (the handover, see
+# fallback.py): short, so that a fleet back from an outage takes up its whole budget within a
+# second. A probe is one PING a worker, one at a time.
+DEFAULT_PROBE_INTERVAL = 0.5
 DEFAULT_REPORT_INTERVAL = 5.0
 # A worker that renews nothing for this long is taken for dead (a full GC, a slow Redis, a busy
 # reactor last far less).

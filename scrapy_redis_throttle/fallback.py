@@ -38,6 +38,12 @@ logger = logging.getLogger(__name__)
 _ALLOWED = AcquireResult(allowed=True, reserved=False, tokens_left=0, retry_after=0, reset_after=0)
 
 
+# A request that must wait for Redis (this worker knows no share for it) asks again after this
+# long: over REDIS_THROTTLE_MAX_HOLD by default, so it is parked meanwhile and holds no download
+# slot, nor delays a close.
+WAIT_FOR_REDIS = 5.0
+
+
 def later(seconds: float) -> AcquireResult:
     """Nothing reserved: ask again in *seconds* (held or parked meanwhile)."""
     return AcquireResult(False, False, 0.0, seconds, 0.0, paused=True)
@@ -94,10 +100,10 @@ class Fallback:
             ):
                 # This worker never saw the domain's bucket in Redis (or forgot it): it does not
                 # know the moments other workers hold there, and would pace beside them from
-                # nothing. Asked again at the longest probe delay (parked meanwhile). With
+                # nothing. Asked again later (WAIT_FOR_REDIS). With
                 # REDIS_THROTTLE_FALLBACK_WORKERS, the project chose to pace alone anyway.
                 self._stats.inc_value(f"{STATS_PREFIX}/fallback/unseen_domain")
-                return Grant(later(self._config.probe_interval), shared=False)
+                return Grant(later(WAIT_FOR_REDIS), shared=False)
             return self.paced_alone(domain, limit, cost, others)
         if policy == FALLBACK_OPEN:
             self._stats.inc_value(f"{STATS_PREFIX}/fallback/open")
@@ -117,11 +123,9 @@ class Fallback:
             )
             return Grant(result, shared=False)
         # The fleet's size is not known, nor this worker's share: it sends nothing until Redis
-        # answers, and asks again after the longest probe delay (parked meanwhile when that is
-        # over REDIS_THROTTLE_MAX_HOLD, as by default, so that it holds no download slot and a
-        # close is not delayed).
+        # answers, and asks again later (WAIT_FOR_REDIS).
         self._stats.inc_value(f"{STATS_PREFIX}/fallback/unknown_fleet")
-        return Grant(later(self._config.probe_interval), shared=False)
+        return Grant(later(WAIT_FOR_REDIS), shared=False)
 
     def handover_wait(
         self, domain: str, limit: Limit, cost: float, others: Sequence[Budget]

@@ -32,7 +32,7 @@ from .breaker import CircuitBreaker
 from .bucket import AcquireResult, TokenBucket, Unreserved
 from .config import FALLBACK_LOCAL, STATS_PREFIX
 from .connection import ClusterClient, ping
-from .fallback import Fallback, Grant, later
+from .fallback import WAIT_FOR_REDIS, Fallback, Grant, later
 from .penalties import CLOCK_MARGIN
 from .rejections import Rejections
 from .seals import Seals
@@ -215,7 +215,7 @@ class ResilientBucket:
             if grant is not None:
                 return grant
             if self._closing:  # the request asks again, and is parked or dropped meanwhile
-                return Grant(later(self._config.probe_interval), shared=False)
+                return Grant(later(WAIT_FOR_REDIS), shared=False)
             waited = True
             await self.breaker.wait_closed()
 

@@ -72,11 +72,11 @@ PAGES = {host: COUNTS[host] + NEW[host] for host in COUNTS}
 # Seconds from the first arrival: when the throttle's Redis is killed, when the new requests
 # reach the queue, and how long Redis is down.
 KILL_AT, NEW_AT, REDIS_DOWN = 5.0, 5.5, 3.0
-# From the restart, how soon each host must receive requests at its limit again, and for how
-# long that is measured (past the hand-over, REDIS_THROTTLE_PROBE_INTERVAL after each worker
-# found Redis back); the least share of its limit it must reach then.
+# From the restart, how soon each host must receive requests at its limit again (past the
+# hand-over, REDIS_THROTTLE_PROBE_INTERVAL after each worker found Redis back), and for how long
+# that is measured; the least share of its limit it must reach then.
 RECOVERY, MEASURED = 1.5, 8.0
-LEAST_SHARE = 0.8
+LEAST_SHARE = 0.9
 # Seconds from the first arrival by which the whole frontier must be fetched (36 s at the
 # limits, and room for a busy machine).
 FETCHED_BY = 60.0

@@ -83,7 +83,7 @@ def test_defaults() -> None:
     assert cfg.redis_url == "redis://localhost:6379/0"
     assert cfg.redis_params == DEFAULT_REDIS_PARAMS
     assert cfg.key_prefix == "redis_throttle"
-    assert (cfg.on_redis_error, cfg.fallback_workers, cfg.probe_interval) == ("local", None, 5.0)
+    assert (cfg.on_redis_error, cfg.fallback_workers, cfg.probe_interval) == ("local", None, 0.5)
     assert (cfg.crawl_delay, cfg.max_crawl_delay) == (True, 30.0)
     assert cfg.penalty_codes == {429, 503}
     assert cfg.backoff == Backoff(first=2.0, longest=600.0, decay=60.0)

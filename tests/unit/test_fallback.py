@@ -14,7 +14,13 @@ from support import async_test
 from scrapy_redis_throttle import local_buckets
 from scrapy_redis_throttle.breaker import CircuitBreaker
 from scrapy_redis_throttle.bucket import AcquireResult
-from scrapy_redis_throttle.config import FALLBACK_LOCAL, FALLBACK_OPEN, FALLBACK_WAIT
+from scrapy_redis_throttle.config import (
+    DEFAULT_MAX_HOLD,
+    FALLBACK_LOCAL,
+    FALLBACK_OPEN,
+    FALLBACK_WAIT,
+)
+from scrapy_redis_throttle.fallback import WAIT_FOR_REDIS
 from scrapy_redis_throttle.local_buckets import LocalBuckets
 from scrapy_redis_throttle.rates import Limit
 from scrapy_redis_throttle.resilience import FIRST_PROBE_DELAY, ResilientBucket
@@ -260,13 +266,12 @@ async def test_the_wait_policy_waits_until_redis_answers() -> None:
 @async_test
 async def test_a_worker_that_never_saw_the_fleet_waits_for_redis() -> None:
     clock = FakeClock()
-    bucket, scripts, collector = resilient_bucket(
-        clock, fleet=None, REDIS_THROTTLE_PROBE_INTERVAL=3
-    )
+    bucket, scripts, collector = resilient_bucket(clock, fleet=None)
     scripts.up = False
     grant = await bucket.acquire(A, TEN_PER_SECOND, 1)
     assert grant.result.paused, "it knows no share: nothing is reserved"
-    assert grant.result.retry_after == 3.0, "asks again after the longest probe delay"
+    assert grant.result.retry_after == WAIT_FOR_REDIS, "asks again later, parked meanwhile"
+    assert WAIT_FOR_REDIS > DEFAULT_MAX_HOLD
     assert collector.get_value("redis_throttle/fallback/unknown_fleet") == 1
     await bucket.aclose()
 
@@ -348,15 +353,15 @@ def test_the_policy_says_what_requests_do_while_redis_fails(
 async def test_a_domain_whose_bucket_this_worker_never_saw_waits_for_redis() -> None:
     """Other workers may hold moments of it, reserved in Redis before it failed: paced alone
     from nothing, this worker's would go beside theirs (a release 257 ms after another's at 2/s,
-    in 1 of 10 runs of tests/test_fleet_faults.py). It asks again at the longest probe delay;
-    a domain it saw is paced alone at its share."""
+    in 1 of 10 runs of tests/test_fleet_faults.py). It asks again later, parked meanwhile; a
+    domain it saw is paced alone at its share."""
     clock = FakeClock()
-    bucket, scripts, collector = resilient_bucket(clock, REDIS_THROTTLE_PROBE_INTERVAL=3)
+    bucket, scripts, collector = resilient_bucket(clock)
     seen(bucket, "b.example")
     scripts.up = False
     unseen = await bucket.acquire(A, TEN_PER_SECOND, 1)
     assert unseen.result.paused, "nothing is reserved"
-    assert unseen.result.retry_after == 3.0
+    assert unseen.result.retry_after == WAIT_FOR_REDIS
     assert collector.get_value("redis_throttle/fallback/unseen_domain") == 1
     assert (await bucket.acquire("b.example", TEN_PER_SECOND, 1)).result.allowed
     assert collector.get_value("redis_throttle/fallback/local") == 1
