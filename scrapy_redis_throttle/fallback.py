@@ -100,7 +100,7 @@ class Fallback:
             ):
                 # This worker never saw the domain's bucket in Redis (or forgot it): it does not
                 # know the moments other workers hold there, and would pace beside them from
-                # nothing. Asked again later (WAIT_FOR_REDIS). With
+                # nothing: it asks again later (WAIT_FOR_REDIS). With
                 # REDIS_THROTTLE_FALLBACK_WORKERS, the project chose to pace alone anyway.
                 self._stats.inc_value(f"{STATS_PREFIX}/fallback/unseen_domain")
                 return Grant(later(WAIT_FOR_REDIS), shared=False)
