@@ -1,8 +1,8 @@
 """A Scrapy extension for the tests: when each request left the throttle for the download, and
 the moments the throttle missed, per domain; in a ``RELEASES_DIR``, also the moments it reserved
-(a killed worker's are lost with the requests it had not parked yet). Every test crawl has it (``spiders.BASE_SETTINGS``
-and ``crawl_worker.py``); a fleet of ``scrapy crawl shop`` processes takes it with
-``-s EXTENSIONS=...`` and ``-s RELEASES_DIR=<path>``.
+(a killed worker's are lost with the requests it had not parked yet). Every test crawl has it
+(``spiders.BASE_SETTINGS`` and ``crawl_worker.py``); a fleet of ``scrapy crawl shop`` processes
+takes it with ``-s EXTENSIONS=...`` and ``-s RELEASES_DIR=<path>``.
 
 Tests judge pacing by these release times, not by when the site saw the requests: Scrapy's
 ``request_reached_downloader`` comes right after the downloader middlewares, while a request's
