@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
 import shutil
@@ -24,21 +25,39 @@ TLS_SUBJECT_ALT_NAME = "subjectAltName=IP:127.0.0.1,DNS:localhost"
 
 
 # Servers get ports below the kernel's ephemeral range (Linux: 32768-60999), so that no client
-# socket is given one between our choosing it and the server binding it; at random, so that
-# test processes side by side (pytest-xdist, tox run-parallel) hardly ever choose the same.
+# socket is given one between our choosing it and the server binding it.
 PORTS_FROM, PORTS_BELOW = 10_000, 32_768
+# A process holds a lock on a file named after each port it chose, until its server is closed
+# (or the process ends): processes side by side (pytest-xdist, tox run-parallel, the demo) never
+# choose the same port, even before its server listens. Checked only for a listener, two of them
+# chose the same port in about one full test run of four (a cluster node exited at start).
+PORT_LOCKS = Path(tempfile.gettempdir()) / "scrapy-redis-throttle-ports"
+_held_ports: dict[int, int] = {}
 
 
 def free_port() -> int:
-    """A port nothing listens on now, for a server this process starts."""
+    """A port nothing listens on now, and that no other process chose, for a server this
+    process starts (see :func:`release_port`)."""
+    PORT_LOCKS.mkdir(exist_ok=True)
     for port in random.sample(range(PORTS_FROM, PORTS_BELOW), 1000):
-        with socket.socket() as sock:
-            try:
+        lock = os.open(PORT_LOCKS / str(port), os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            with socket.socket() as sock:
                 sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
+        except OSError:  # chosen by another process, or something listens there
+            os.close(lock)
+            continue
+        _held_ports[port] = lock
+        return port
     raise OSError(f"no free port in {PORTS_FROM}-{PORTS_BELOW - 1} after 1000 tries")
+
+
+def release_port(port: int) -> None:
+    """*port*, from :func:`free_port`, may be chosen by another process again."""
+    lock = _held_ports.pop(port, None)
+    if lock is not None:
+        os.close(lock)
 
 
 def make_tls_files(directory: Path) -> None:
@@ -188,6 +207,7 @@ class RedisServer:
     def close(self) -> None:
         """Stop the server for good and remove its TLS files, if any."""
         self.stop()
+        release_port(self.port)
         if self._tls_dir is not None:
             self._tls_dir.cleanup()
             self._tls_dir = None

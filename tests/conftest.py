@@ -20,7 +20,7 @@ from redis_topologies import LocalCluster, SentinelSetup, Topology  # noqa: E402
 def shared_redis() -> Iterator[RedisServer]:
     server = RedisServer().start()
     yield server
-    server.stop()
+    server.close()
 
 
 @pytest.fixture
@@ -36,7 +36,7 @@ def own_redis() -> Iterator[RedisServer]:
     """A redis-server for this test alone, for tests that stop or restart it."""
     server = RedisServer().start()
     yield server
-    server.stop()
+    server.close()
 
 
 @pytest.fixture
