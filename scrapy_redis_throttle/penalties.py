@@ -246,6 +246,12 @@ class Pauses:
                 sleep.cancel()
         self._release_parked(domain, new)
 
+    @property
+    def listening(self) -> bool:
+        """Whether this worker hears every pause published now: its subscription is in force,
+        and the fleet's secret was read when it began (a restart of Redis ends it)."""
+        return self._listening_since is not None
+
     def knows_voidings(self, domain: str, reserved_at: float, elsewhere: bool) -> bool:
         """Whether this worker knows every voiding of *domain*'s moments since *reserved_at*
         (wall time; *elsewhere*: in another process, whose clock may

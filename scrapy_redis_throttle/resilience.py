@@ -273,18 +273,23 @@ class ResilientBucket:
         """Redis's clock as *domain*'s bucket sees it (see :meth:`.TokenBucket.server_clock`)."""
         return self._bucket.server_clock(domain)
 
-    async def last_voiding(self, domain: str) -> tuple[bool, Voiding | None]:
+    async def last_voiding(
+        self, domain: str, listening: bool = False
+    ) -> tuple[bool, Voiding | None]:
         """Whether Redis could tell, and the last voiding of *domain*'s reserved moments (see
         :meth:`.TokenBucket.last_voiding`), for a request whose moment was reserved before this
-        worker's subscription."""
-        # First whether Redis lost the throttle's state since (see :meth:`lost`): read now, even
-        # while the breaker is open, since a Redis back (restarted empty) before the next probe
-        # may already give the moment to another request. It goes on a new connection: only a
-        # failure of that one says Redis does not answer now.
-        try:
-            await self.check_state()
-        except RedisError:
-            return False, None
+        worker's subscription. *listening*: that subscription is in force (see
+        :attr:`.Pauses.listening`), so Redis has not restarted since it read the fleet's
+        secret."""
+        if not listening:
+            # First whether Redis lost the throttle's state since (see :meth:`lost`): read now,
+            # even while the breaker is open, since a Redis back (restarted empty) before the
+            # next probe may already give the moment to another request. It goes on a new
+            # connection: only a failure of that one says Redis does not answer now.
+            try:
+                await self.check_state()
+            except RedisError:
+                return False, None
         if self.breaker.open_for() is not None:
             return False, None
         reply = await self._answered(domain, self._last_voiding(domain))

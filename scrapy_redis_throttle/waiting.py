@@ -69,7 +69,9 @@ class SharedBucket(Protocol):
 
     def server_clock(self, domain: str) -> ServerClock: ...
 
-    async def last_voiding(self, domain: str) -> tuple[bool, Voiding | None]: ...
+    async def last_voiding(
+        self, domain: str, listening: bool = False
+    ) -> tuple[bool, Voiding | None]: ...
 
     def lost(self, reserved_at: float, elsewhere: bool = False) -> bool: ...
 
@@ -224,6 +226,12 @@ class Turns:
         reserved for *domain* at *reserved_at* (*reservation*: in Redis): True when it comes,
         False as soon as it is void (see :meth:`_still_reserved`) or missed (see
         :meth:`_missed`)."""
+        # The voidings it may have missed are read first, within its wait (read at its moment,
+        # a slow Redis's answer would come too late for it); the listener hears those after.
+        if self._pauses.listening and not await self._read_voidings(
+            domain, reserved_at, elsewhere, local
+        ):
+            return False
         while True:
             await self._pauses.sleep(domain, moment - self._clock.monotonic())
             # Placed by the bounds Redis's clock had then: those of a reply read late put it
@@ -273,17 +281,8 @@ class Turns:
         reserved in Redis (not *local*ly, while Redis failed), a pause published while this
         worker was not listening is read from Redis; if Redis cannot tell, the request goes by
         what this worker heard (under the ``"wait"`` policy, it asks again)."""
-        if not local and not self._pauses.knows_voidings(domain, reserved_at, elsewhere):
-            self._stats.inc_value(f"{STATS_PREFIX}/voidings_read")
-            read_at = self._clock.wall()
-            known, voiding = await self._bucket.last_voiding(domain)
-            if known:
-                self._pauses.read(domain, voiding, read_at)
-            elif self._config.on_redis_error == FALLBACK_WAIT:
-                return False  # nothing goes on a guess: it asks again, and waits for Redis
-            # Else Redis fails, and what this worker heard is all it can know: a moment
-            # reserved in Redis is still the fleet's, where a new one (paced alone) would know
-            # no more of the pauses published meanwhile.
+        if not await self._read_voidings(domain, reserved_at, elsewhere, local):
+            return False
         reserved_us = None if reservation is None else reservation.at
         if self._pauses.is_void(domain, reserved_at, moment, elsewhere, reserved_us):
             self._stats.inc_value(f"{STATS_PREFIX}/paused_reservations")
@@ -294,6 +293,26 @@ class Turns:
             self._stats.inc_value(f"{STATS_PREFIX}/lost_reservations")
             return False
         return True
+
+    async def _read_voidings(
+        self, domain: str, reserved_at: float, elsewhere: bool, local: bool
+    ) -> bool:
+        """Read *domain*'s last voiding from Redis if this worker may have missed one since
+        *reserved_at* (see :meth:`.Pauses.knows_voidings`; never for a moment reserved
+        *local*ly): False when Redis cannot tell and the ``"wait"`` policy says to ask again."""
+        if local or self._pauses.knows_voidings(domain, reserved_at, elsewhere):
+            return True
+        self._stats.inc_value(f"{STATS_PREFIX}/voidings_read")
+        read_at = self._clock.wall()
+        known, voiding = await self._bucket.last_voiding(domain, self._pauses.listening)
+        if known:
+            self._pauses.read(domain, voiding, read_at)
+            return True
+        # Else Redis fails, and what this worker heard is all it can know: a moment reserved in
+        # Redis is still the fleet's, where a new one (paced alone) would know no more of the
+        # pauses published meanwhile. Under the "wait" policy nothing goes on a guess: it asks
+        # again, and waits for Redis.
+        return self._config.on_redis_error != FALLBACK_WAIT
 
     def _went(
         self,

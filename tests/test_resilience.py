@@ -318,8 +318,10 @@ class RecordingBucket:
     def server_clock(self, domain: str) -> ServerClock:
         return self.bucket.server_clock(domain)
 
-    async def last_voiding(self, domain: str) -> tuple[bool, Voiding | None]:
-        return await self.bucket.last_voiding(domain)
+    async def last_voiding(
+        self, domain: str, listening: bool = False
+    ) -> tuple[bool, Voiding | None]:
+        return await self.bucket.last_voiding(domain, listening)
 
     def lost(self, reserved_at: float, elsewhere: bool = False) -> bool:
         return self.bucket.lost(reserved_at, elsewhere)

@@ -142,6 +142,10 @@ class MemoryBucket:
         # What voided() answers: whether Redis could tell, and the last voiding.
         self.voiding: tuple[bool, Voiding | None] = (True, None)
         self.voiding_reads = 0
+        # How long each read of the voidings takes (a slow Redis), and whether the worker
+        # listened when it asked.
+        self.voiding_read_time = 0.0
+        self.read_listening: list[bool] = []
         # When (wall time) Redis lost the throttle's state, as read (None: never).
         self.lost_at: float | None = None
         self._server_clock = ServerClock()
@@ -158,8 +162,13 @@ class MemoryBucket:
     def server_clock(self, domain: str) -> ServerClock:
         return self._server_clock
 
-    async def last_voiding(self, domain: str) -> tuple[bool, Voiding | None]:
+    async def last_voiding(
+        self, domain: str, listening: bool = False
+    ) -> tuple[bool, Voiding | None]:
         self.voiding_reads += 1
+        self.read_listening.append(listening)
+        if self.voiding_read_time:
+            await self._clock.sleep(self.voiding_read_time)
         return self.voiding
 
     def lost(self, reserved_at: float, elsewhere: bool = False) -> bool:

@@ -352,6 +352,23 @@ async def test_a_voiding_read_that_voids_nothing_lets_the_moment_stand() -> None
     assert throttle.bucket.calls == []
 
 
+@async_test
+async def test_a_listening_worker_reads_the_voidings_within_the_wait_not_at_the_moment() -> None:
+    """A slow Redis answers the read in 0.4 s: read at its moment (0.5 s ahead), the request
+    would miss it; read first, it goes at it. Listening, the worker does not read the fleet's
+    secret with it (its subscription, still in force, read it)."""
+    throttle = Throttle()
+    throttle.pauses._listening_since = throttle.clock.wall()
+    throttle.bucket.voiding_read_time = 0.4
+    now, wall = throttle.clock.now, throttle.clock.wall()
+    ticket = Ticket("a.example", now + 0.5, True, False, wall - 5, wall - 5, elsewhere=True)
+    assert await throttle.take(request(), TWO_PER_SECOND, ticket) is WENT
+    assert throttle.clock.now == pytest.approx(now + 0.5)
+    assert throttle.bucket.calls == [], "went at its moment, without asking again"
+    assert throttle.stat("missed_moments") is None
+    assert throttle.bucket.read_listening == [True]
+
+
 @pytest.mark.parametrize(("policy", "asks_again"), [(FALLBACK_WAIT, True), (FALLBACK_LOCAL, False)])
 @async_test
 async def test_voidings_redis_cannot_tell_go_by_the_policy(policy: str, asks_again: bool) -> None:
