@@ -74,6 +74,7 @@ DEFAULT_ADAPTIVE_DECREASE = 0.5
 DEFAULT_ADAPTIVE_RECOVERY = 600.0
 # REDIS_THROTTLE_FALLBACK_WORKERS: None divides by the number of workers seen live in Redis.
 DEFAULT_FALLBACK_WORKERS = None
+DEFAULT_FALLBACK_AFTER = 5.0
 DEFAULT_METRICS_HOST = "127.0.0.1"
 # REDIS_THROTTLE_ON_REDIS_ERROR: what requests do while Redis fails (see resilience.py).
 FALLBACK_LOCAL = "local"
@@ -224,6 +225,10 @@ class ThrottleConfig:
     fallback_workers: int | None
     """The ``"local"`` policy paces each domain at its rate divided by this; None: by the
     number of workers that were live in Redis just before it failed."""
+    fallback_after: float
+    """How long, from when Redis failed, a worker of a fleet sends only the moments it
+    reserved in Redis before the ``"local"`` policy paces it alone: the outage may be its
+    alone (see :meth:`.Fallback.decide`)."""
     probe_interval: float
     """Longest time between two probes of a failed Redis."""
     crawl_delay: bool
@@ -321,6 +326,9 @@ class ThrottleConfig:
         return cls(
             on_redis_error=on_redis_error,
             fallback_workers=_fallback_workers(settings),
+            fallback_after=get_seconds(
+                settings, "REDIS_THROTTLE_FALLBACK_AFTER", DEFAULT_FALLBACK_AFTER, minimum=0
+            ),
             probe_interval=get_seconds(
                 settings, "REDIS_THROTTLE_PROBE_INTERVAL", DEFAULT_PROBE_INTERVAL, minimum=0.1
             ),

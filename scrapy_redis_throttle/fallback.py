@@ -3,8 +3,10 @@
 * ``"local"`` (default): each domain is paced in this process, at its rate (and burst)
   divided by the number of workers that were live in Redis just before it failed (see
   :attr:`.Activity.fleet_size`; ``REDIS_THROTTLE_FALLBACK_WORKERS`` overrides it), starting
-  where the shared bucket was last seen, so that the fleet together keeps the limit. A worker
-  that never reached Redis does not know the fleet's size: its requests wait for Redis;
+  where the shared bucket was last seen, so that the fleet together keeps the limit. Not at
+  once in a fleet: for ``REDIS_THROTTLE_FALLBACK_AFTER`` the outage may be this worker's alone,
+  while the others draw whole budgets from Redis, and only the moments it reserved there go. A
+  worker that never reached Redis does not know the fleet's size: its requests wait for Redis;
 * ``"open"``: requests go unthrottled;
 * ``"wait"``: requests wait until Redis answers again.
 
@@ -88,14 +90,25 @@ class Fallback:
         self._handover = LocalBuckets(clock.monotonic)
 
     def decide(
-        self, domain: str, limit: Limit, cost: float, others: Sequence[Budget]
+        self, domain: str, limit: Limit, cost: float, others: Sequence[Budget], outage: float
     ) -> Grant | None:
-        """The decision for a request while Redis fails (None: it waits for Redis)."""
+        """The decision for a request while Redis fails, for *outage* seconds now (None: it
+        waits for Redis)."""
         policy = self._config.on_redis_error
         if policy == FALLBACK_LOCAL:
+            workers = self.workers()
+            held = self._config.fallback_after - outage
+            if workers is not None and workers > 1 and held > 0:
+                # This worker cannot tell an outage of its own (its network path cut, a call
+                # timed out on a loaded machine) from the fleet's. If it is alone, the others
+                # still draw each whole budget from Redis: paced alone, it would add its share
+                # on top. Only the moments it reserved there go, until the outage has lasted
+                # long enough to be the fleet's too.
+                self._stats.inc_value(f"{STATS_PREFIX}/fallback/held")
+                return Grant(later(min(held, WAIT_FOR_REDIS)), shared=False)
             if (
                 self._config.fallback_workers is None
-                and self.workers() is not None
+                and workers is not None
                 and not self.local.seen(domain)
             ):
                 # This worker never saw the domain's bucket in Redis (or forgot it): it does not
@@ -204,7 +217,7 @@ class Fallback:
             if self._config.fallback_workers is not None:
                 return (
                     f"each domain is paced in this process at 1/{self._config.fallback_workers} "
-                    f"of its rate (REDIS_THROTTLE_FALLBACK_WORKERS) until it is back"
+                    f"of its rate (REDIS_THROTTLE_FALLBACK_WORKERS) until it is back" + self._held()
                 )
             workers = self._fleet_size()
             if workers is None:
@@ -215,7 +228,18 @@ class Fallback:
             return (
                 f"each domain is paced in this process at 1/{workers} of its rate (the "
                 f"{workers} worker{'s' if workers != 1 else ''} last seen live) until it is back"
+                + self._held()
             )
         if policy == FALLBACK_OPEN:
             return "requests go unthrottled until it is back"
         return "throttled requests wait until it is back"
+
+    def _held(self) -> str:
+        workers = self.workers()
+        after = self._config.fallback_after
+        if workers is None or workers < 2 or not after:
+            return ""
+        return (
+            f", from {after:g} s into the outage (REDIS_THROTTLE_FALLBACK_AFTER: it may be this "
+            f"worker's alone); meanwhile only the moments reserved in Redis go"
+        )

@@ -211,7 +211,9 @@ class ResilientBucket:
                     return self.fallback.paced_alone(domain, limit, cost, others)
                 if result is not None:
                     return Grant(result, shared=True, waited_for_redis=waited)
-            grant = self.fallback.decide(domain, limit, cost, others)
+            grant = self.fallback.decide(
+                domain, limit, cost, others, self.breaker.open_for() or 0.0
+            )
             if grant is not None:
                 return grant
             if self._closing:  # the request asks again, and is parked or dropped meanwhile

@@ -106,12 +106,18 @@ async def test_wait_policy_sends_nothing_new_during_the_fault(lab: Lab, site: De
 
 def test_two_workers_share_the_limit_through_an_outage(site: DemoSite) -> None:
     """Two OS processes at 4/s together; Redis is killed for 3 s mid-crawl. With
-    REDIS_THROTTLE_FALLBACK_WORKERS = 2 each paces itself at 2/s: together still 4/s."""
+    REDIS_THROTTLE_FALLBACK_WORKERS = 2 each paces itself at 2/s: together still 4/s (at once:
+    REDIS_THROTTLE_FALLBACK_AFTER = 0, so that a 3 s outage shows the shares)."""
     rate = 4
     with RedisServer() as server:
         jobs = [
             {
-                "settings": fault_settings(server.url, "local", REDIS_THROTTLE_FALLBACK_WORKERS=2),
+                "settings": fault_settings(
+                    server.url,
+                    "local",
+                    REDIS_THROTTLE_FALLBACK_WORKERS=2,
+                    REDIS_THROTTLE_FALLBACK_AFTER=0,
+                ),
                 "requests": [
                     {"url": site.url(A, f"/page/{n}")} for n in range(20 * index, 20 * index + 20)
                 ],

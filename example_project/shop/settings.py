@@ -36,7 +36,9 @@ REDIS_THROTTLE_ADAPTIVE_RECOVERY = 60
 # `scrapy-redis-throttle set 127.0.0.2 2/s` or `scrapy-redis-throttle --spider shop status`.
 # If Redis fails, each worker paces each domain itself at 1/N of its rate, N being the number of
 # workers it saw live in Redis just before (REDIS_THROTTLE_ON_REDIS_ERROR = "local", the
-# default; REDIS_THROTTLE_FALLBACK_WORKERS would fix N), until Redis is back.
+# default; REDIS_THROTTLE_FALLBACK_WORKERS would fix N), until Redis is back. Not before Redis
+# has failed for it for REDIS_THROTTLE_FALLBACK_AFTER: the outage may be that worker's alone.
+REDIS_THROTTLE_FALLBACK_AFTER = 5.0
 # Each worker serves its metrics to Prometheus at http://127.0.0.1:<port>/metrics, on the first
 # free port of this range (its log names it); `scrapy-redis-throttle exporter --port 9409` serves
 # the fleet's state in Redis. See docs/reference/metrics.rst, and docs/grafana/ for a dashboard.

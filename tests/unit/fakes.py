@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -324,14 +325,65 @@ class FlakyScripts:
         pass
 
 
+class CutPath:
+    """One worker's path to the scripts' Redis (a :class:`FlakyScripts` the fleet shares), which
+    the test may cut for that worker alone: while :attr:`cut`, its calls fail as if Redis were
+    down."""
+
+    def __init__(self, scripts: FlakyScripts) -> None:
+        self.scripts = scripts
+        self.cut = False
+
+    def _through(self) -> FlakyScripts:
+        if self.cut:
+            raise RedisConnectionError("Timeout connecting to server")
+        return self.scripts
+
+    async def acquire(
+        self,
+        domain: str,
+        limit: Limit,
+        cost: float = 1,
+        reserve: float = 0,
+        busy_until: float = 0,
+        others: Sequence[tuple[str, Limit, float]] = (),
+    ) -> AcquireResult:
+        return await self._through().acquire(domain, limit, cost, reserve, busy_until, others)
+
+    async def probe(self, domain: str | None = None) -> None:
+        await self._through().probe(domain)
+
+    def server_clock(self, domain: str) -> ServerClock:
+        return self.scripts.server_clock(domain)
+
+    async def load_secret(self) -> tuple[bytes, bool]:
+        return await self._through().load_secret()
+
+    async def aclose(self) -> None:
+        pass
+
+
+def refused_by_the_site(sends: list[float], each: Limit) -> list[float]:
+    """The sends a site that allows *each* (its rate and burst, GCRA) would answer 429."""
+    interval, tat, refused = 1 / each.rate, -math.inf, []
+    for at in sorted(sends):
+        if max(tat, at) - at > (each.burst - 1) * interval + 1e-9:
+            refused.append(at)
+        else:
+            tat = max(tat, at) + interval
+    return refused
+
+
 def resilient_bucket(
     clock: FakeClock,
     fleet: int | None = 2,
     scripts: FlakyScripts | None = None,
+    path: CutPath | None = None,
     **settings: Any,
 ) -> tuple[ResilientBucket, FlakyScripts, MemoryStatsCollector]:
     """A :class:`.ResilientBucket` on *clock* in a fleet of *fleet* workers, with
-    :class:`FlakyScripts` for its calls (*scripts*: those of another worker, the same Redis)."""
+    :class:`FlakyScripts` for its calls (*scripts*: those of another worker, the same Redis;
+    *path*: reached through it)."""
     scripts = scripts or FlakyScripts(clock)
     collector = stats()
     bucket = ResilientBucket(
@@ -341,7 +393,7 @@ def resilient_bucket(
         dict,
         clock,
         fleet_size=lambda: fleet,
-        bucket=scripts,  # type: ignore[arg-type]
+        bucket=path or scripts,  # type: ignore[arg-type]
     )
     return bucket, scripts, collector
 

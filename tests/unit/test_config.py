@@ -300,6 +300,8 @@ ADAPTIVE = {"REDIS_THROTTLE_ADAPTIVE_ENABLED": True}
         ({"REDIS_THROTTLE_FALLBACK_WORKERS": 0}, "REDIS_THROTTLE_FALLBACK_WORKERS: the number of workers must be an integer >= 1, got 0"),
         ({"REDIS_THROTTLE_FALLBACK_WORKERS": "many"}, "REDIS_THROTTLE_FALLBACK_WORKERS: the number of workers must be an integer >= 1, got 'many'"),
         ({"REDIS_THROTTLE_PROBE_INTERVAL": 0}, "REDIS_THROTTLE_PROBE_INTERVAL must be a number of seconds >= 0.1, got 0"),
+        ({"REDIS_THROTTLE_FALLBACK_AFTER": -1}, "REDIS_THROTTLE_FALLBACK_AFTER must be a number of seconds >= 0, got -1"),
+        ({"REDIS_THROTTLE_FALLBACK_AFTER": float("inf")}, "REDIS_THROTTLE_FALLBACK_AFTER must be a number of seconds >= 0, got inf"),
         ({"REDIS_THROTTLE_PENALTY_HTTP_CODES": "soon"}, "REDIS_THROTTLE_PENALTY_HTTP_CODES must be a list of HTTP status codes \\(100-599\\), got 'soon'"),
         ({"REDIS_THROTTLE_PENALTY_HTTP_CODES": [429, 1000]}, "REDIS_THROTTLE_PENALTY_HTTP_CODES must be a list of HTTP status codes \\(100-599\\), got \\[429, 1000\\]"),
         ({"REDIS_THROTTLE_PENALTY_HTTP_CODES": 429}, "REDIS_THROTTLE_PENALTY_HTTP_CODES must be a list"),

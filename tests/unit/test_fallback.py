@@ -15,6 +15,7 @@ from scrapy_redis_throttle import local_buckets
 from scrapy_redis_throttle.breaker import CircuitBreaker
 from scrapy_redis_throttle.bucket import AcquireResult
 from scrapy_redis_throttle.config import (
+    DEFAULT_FALLBACK_AFTER,
     DEFAULT_MAX_HOLD,
     FALLBACK_LOCAL,
     FALLBACK_OPEN,
@@ -165,18 +166,48 @@ async def test_while_redis_answers_its_decisions_count() -> None:
 
 @async_test
 async def test_a_failure_opens_the_breaker_and_each_worker_paces_at_its_share() -> None:
+    """In a fleet, only once the outage has lasted REDIS_THROTTLE_FALLBACK_AFTER: it may be
+    this worker's alone until then, and its requests wait (parked)."""
     clock = FakeClock()
     bucket, scripts, collector = resilient_bucket(clock, fleet=2)
     seen(bucket)
     scripts.up = False
+    held = [await bucket.acquire(A, TEN_PER_SECOND, 1)]
+    assert collector.get_value("redis_throttle/outages") == 1
+    assert collector.get_value("redis_throttle/redis_errors/ConnectionError") == 1
+    await clock.advance(DEFAULT_FALLBACK_AFTER - 1)
+    held.append(await bucket.acquire(A, TEN_PER_SECOND, 1))
+    assert [grant.shared for grant in held] == [False] * 2
+    assert [grant.result.paused for grant in held] == [True] * 2, "nothing reserved"
+    # Asked again when the hold ends, WAIT_FOR_REDIS at most (parked meanwhile).
+    assert [grant.result.retry_after for grant in held] == pytest.approx(
+        [DEFAULT_FALLBACK_AFTER, 1]
+    )
+    assert collector.get_value("redis_throttle/fallback/held") == 2
+    await clock.advance(1)
     grants = [await bucket.acquire(A, TEN_PER_SECOND, 1) for _ in range(3)]
     assert [grant.shared for grant in grants] == [False] * 3
     # 10/s for 2 workers: 5/s each, a moment every 0.2 s.
     assert [grant.result.retry_after for grant in grants] == pytest.approx([0, 0.2, 0.4])
     assert len(scripts.calls) == 1, "no call while the breaker is open"
-    assert collector.get_value("redis_throttle/outages") == 1
-    assert collector.get_value("redis_throttle/redis_errors/ConnectionError") == 1
     assert collector.get_value("redis_throttle/fallback/local") == 3
+    assert collector.get_value("redis_throttle/fallback/held") == 2
+    await bucket.aclose()
+
+
+@pytest.mark.parametrize(
+    "settings", [{"fleet": 1}, {"fleet": None, "REDIS_THROTTLE_FALLBACK_WORKERS": 1}]
+)
+@async_test
+async def test_a_worker_alone_in_its_fleet_paces_at_once(settings: dict[str, Any]) -> None:
+    """No other worker may still draw on Redis: nothing to hold back for."""
+    clock = FakeClock()
+    bucket, scripts, collector = resilient_bucket(clock, **settings)
+    seen(bucket)
+    scripts.up = False
+    grants = [await bucket.acquire(A, TEN_PER_SECOND, 1) for _ in range(2)]
+    assert [grant.result.retry_after for grant in grants] == pytest.approx([0, 0.1])
+    assert collector.get_value("redis_throttle/fallback/held") is None
     await bucket.aclose()
 
 
@@ -212,7 +243,9 @@ async def test_after_an_outage_a_worker_keeps_to_its_share_for_one_probe_interva
     REDIS_THROTTLE_PROBE_INTERVAL after Redis is back, requests wait for this worker's share
     first (without asking Redis), then ask Redis."""
     clock = FakeClock()
-    bucket, scripts, collector = resilient_bucket(clock, REDIS_THROTTLE_PROBE_INTERVAL=2)
+    bucket, scripts, collector = resilient_bucket(
+        clock, REDIS_THROTTLE_PROBE_INTERVAL=2, REDIS_THROTTLE_FALLBACK_AFTER=0
+    )
     seen(bucket)
     scripts.up = False
     for _ in range(5):  # paced alone at its share, 5/s: busy until 1.0 s
@@ -279,7 +312,9 @@ async def test_a_worker_that_never_saw_the_fleet_waits_for_redis() -> None:
 @async_test
 async def test_fallback_workers_sets_the_share_whatever_the_fleet() -> None:
     clock = FakeClock()
-    bucket, scripts, _ = resilient_bucket(clock, fleet=None, REDIS_THROTTLE_FALLBACK_WORKERS=5)
+    bucket, scripts, _ = resilient_bucket(
+        clock, fleet=None, REDIS_THROTTLE_FALLBACK_WORKERS=5, REDIS_THROTTLE_FALLBACK_AFTER=0
+    )
     seen(bucket)
     scripts.up = False
     grants = [await bucket.acquire(A, TEN_PER_SECOND, 1) for _ in range(2)]
@@ -332,7 +367,18 @@ async def test_what_was_taken_during_the_outage_is_told_until_a_call_takes_token
     ("policy", "fleet", "workers", "said"),
     [
         (FALLBACK_LOCAL, 3, None, "at 1/3 of its rate (the 3 workers last seen live)"),
-        (FALLBACK_LOCAL, 1, None, "at 1/1 of its rate (the 1 worker last seen live)"),
+        (
+            FALLBACK_LOCAL,
+            1,
+            None,
+            "at 1/1 of its rate (the 1 worker last seen live) until it is back",
+        ),
+        (
+            FALLBACK_LOCAL,
+            3,
+            None,
+            "from 5 s into the outage (REDIS_THROTTLE_FALLBACK_AFTER: it may",
+        ),
         (FALLBACK_LOCAL, None, 4, "at 1/4 of its rate (REDIS_THROTTLE_FALLBACK_WORKERS)"),
         (FALLBACK_LOCAL, None, None, "wait until it is back (this worker has not seen"),
         (FALLBACK_OPEN, 3, None, "requests go unthrottled until it is back"),
@@ -356,7 +402,7 @@ async def test_a_domain_whose_bucket_this_worker_never_saw_waits_for_redis() -> 
     in 1 of 10 runs of tests/test_fleet_faults.py). It asks again later, parked meanwhile; a
     domain it saw is paced alone at its share."""
     clock = FakeClock()
-    bucket, scripts, collector = resilient_bucket(clock)
+    bucket, scripts, collector = resilient_bucket(clock, REDIS_THROTTLE_FALLBACK_AFTER=0)
     seen(bucket, "b.example")
     scripts.up = False
     unseen = await bucket.acquire(A, TEN_PER_SECOND, 1)
