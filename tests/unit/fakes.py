@@ -9,7 +9,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from redis.asyncio import Redis
@@ -149,6 +149,10 @@ class MemoryBucket:
         self.read_listening: list[bool] = []
         # When (wall time) Redis lost the throttle's state, as read (None: never).
         self.lost_at: float | None = None
+        # Seconds a call takes each way (a slow Redis): it decides halfway through.
+        self.latency = 0.0
+        # Limits set live (see set_live), by domain.
+        self.live: dict[str, Limit] = {}
         self._server_clock = ServerClock()
 
     async def acquire(
@@ -157,8 +161,24 @@ class MemoryBucket:
         self.calls.append((self._clock.now, domain))
         if self.answers:
             return Grant(self.answers.pop(0), shared=self.shared)
+        limit = self.live.get(domain, limit)
+        if not self.latency:
+            result = self.bucket.acquire(domain, limit, cost, self._max_reserve, 1, others)
+            return Grant(result, shared=self.shared)
+        await self._clock.sleep(self.latency)
         result = self.bucket.acquire(domain, limit, cost, self._max_reserve, 1, others)
-        return Grant(result, shared=self.shared)
+        decided = replace(result, decided_at=self._clock.now)
+        await self._clock.sleep(self.latency)
+        return Grant(decided, shared=self.shared)
+
+    def set_live(self, domain: str, limit: Limit) -> float:
+        """Set *domain*'s limit live, as lua/set_limit.lua does: the bucket forgets the moments
+        reserved before. How long they were to last: what the change voids (it publishes it)."""
+        now = self._clock.now
+        void = max(0.0, self.bucket._full_at.get(domain, now) - now)
+        self.bucket._full_at[domain] = now
+        self.live[domain] = limit
+        return void
 
     def server_clock(self, domain: str) -> ServerClock:
         return self._server_clock
@@ -211,11 +231,14 @@ class Throttle:
     :class:`.Pauses`), on the fake clock and a :class:`MemoryBucket`. Redis is never called:
     the client stands unconnected (the pauses' listener is not started, nor the reports)."""
 
-    def __init__(self, **settings: Any) -> None:
-        self.clock = FakeClock()
+    def __init__(
+        self, clock: FakeClock | None = None, bucket: MemoryBucket | None = None, **settings: Any
+    ) -> None:
+        """*clock*, *bucket*: those of another worker's, for a fleet."""
+        self.clock = clock or FakeClock()
         self.config = throttle_config(**settings)
         self.stats = stats()
-        self.bucket = MemoryBucket(self.clock, self.config.max_reserve)
+        self.bucket = bucket or MemoryBucket(self.clock, self.config.max_reserve)
         self.voidings: list[tuple[str, Pause]] = []
         self.forgotten: list[str] = []
         redis = Redis(port=1)  # never called

@@ -4,9 +4,10 @@ and a bucket in memory, so every time asserted is exact."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
-from fakes import Throttle, limit
+from fakes import Throttle, limit, refused_by_the_site
 from scrapy import Request
 from support import async_test
 
@@ -173,6 +174,65 @@ async def test_a_reply_read_late_with_an_allowed_request_asks_anew() -> None:
     assert await throttle.take(request(), TWO_PER_SECOND) is WENT
     assert throttle.stat("missed_moments") == 1
     assert len(throttle.bucket.calls) == 2
+
+
+@async_test
+async def test_through_a_latency_spike_no_request_goes_early_and_the_rate_holds() -> None:
+    """Three workers, two requests under way in each, share a 5/s bucket that answers 0.2 s
+    late each way for 20 s. A late reply means a moment reserved late, never a request that
+    may go late and fast to catch up: a site allowing 5/s refuses none of the sends, and the
+    round trips overlap, so the domain keeps >= 0.8 of its rate."""
+    five = limit("5/s")
+    first = Throttle()
+    clock, bucket = first.clock, first.bucket
+    workers = [first, Throttle(clock, bucket), Throttle(clock, bucket)]
+    bucket.latency = 0.2
+    sent: list[float] = []
+    until = clock.now + 20
+
+    async def one_at_a_time(worker: Throttle) -> None:
+        while clock.now < until:
+            budget = RequestBudget("a.example", five)
+            assert await worker.turns.take(request(), budget, None, False) is WENT
+            sent.append(clock.now)
+
+    await clock.run(asyncio.gather(*(one_at_a_time(each) for each in workers for _ in range(2))))
+    assert refused_by_the_site(sent, five) == []
+    assert len([at for at in sent if at < until]) >= 0.8 * 5 * 20, len(sent)
+
+
+@pytest.mark.parametrize(("before", "after"), [("5/s", "1/s"), ("1/s", "5/s")])
+@async_test
+async def test_a_live_change_re_paces_the_waiting_requests_at_once(before: str, after: str) -> None:
+    """100 requests hold moments reserved at *before* when the domain's limit is set live to
+    *after* (2 s in): the change voids them, and every one asks again at once. From the change
+    on, the domain goes at the new limit: never closer than it allows, never a gap over 1.5 of
+    its intervals, nothing at the old pace."""
+    throttle = Throttle()
+    clock, old, new = throttle.clock, limit(before), limit(after)
+    changed_at = clock.now + 2.0
+
+    async def sent_at(n: int) -> float:
+        assert (
+            await throttle.turns.take(request(n), RequestBudget("a.example", old), None, False)
+            is WENT
+        )
+        return clock.now
+
+    async def change() -> None:
+        await clock.sleep(changed_at - clock.now)
+        void = throttle.bucket.set_live("a.example", new)
+        throttle.pauses.pause("a.example", void)  # as the workers hear it
+
+    sent = await clock.run(asyncio.gather(change(), *(sent_at(n) for n in range(100))))
+    times = sorted(at for at in sent[1:] if at is not None)
+    since = [at for at in times if at >= changed_at]
+    assert refused_by_the_site(since, new) == []
+    interval = 1 / new.rate
+    assert since[0] - changed_at <= interval
+    gaps = [b - a for a, b in itertools.pairwise(since)]
+    assert max(gaps) <= 1.5 * interval, max(gaps)
+    assert len(times) == 100
 
 
 @async_test
