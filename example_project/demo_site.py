@@ -158,7 +158,8 @@ class DemoSite:
     *pages* is the number of pages of every host, or a dict giving each host's. *robots* gives
     the robots.txt of some hosts (the others answer 404, which Scrapy takes as "allow all").
     *errors* gives, for some ``(host, path)``, the ``(status, headers)`` answers to the first
-    requests for it, in turn (e.g. a 429 with ``Retry-After``); later requests get the page.
+    requests for it, in turn (e.g. a 429 with ``Retry-After``); later requests get the page. The
+    path ``"*"`` stands for any of the host's (those of its own path come first).
     *overload* gives, for some hosts, ``(requests, retry_after)``: a request that comes after
     that many in the last second gets a 429 with ``Retry-After: retry_after``; for the host
     ``"*"``, after that many to any of the hosts (a server that limits them together, as one
@@ -243,7 +244,7 @@ class DemoSite:
         """The error answer due for a request that *arrived*, if any (see *errors* and
         *overload*)."""
         with self._lock:
-            answers = self._errors.get((host, path))
+            answers = self._errors.get((host, path)) or self._errors.get((host, "*"))
             if answers:
                 return answers.pop(0)
             for counted in (host, "*"):
