@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 
     from .bucket import AcquireResult, Reservation
+    from .clock import Clock
     from .rates import Limit
 
     # One bucket's call of token_bucket.lua: name, limit, cost, reserve, busy_until,
@@ -103,8 +104,13 @@ class AcrossNodes:
     module's docs). *may_call* says whether Redis may be called (False: it failed meanwhile)."""
 
     def __init__(
-        self, acquire_one: AcquireOne, unreserve: Unreserve, may_call: Callable[[], bool]
+        self,
+        acquire_one: AcquireOne,
+        unreserve: Unreserve,
+        may_call: Callable[[], bool],
+        clock: Clock,
     ) -> None:
+        self._clock = clock
         self._acquire_one = acquire_one
         self._unreserve = unreserve
         self._may_call = may_call
@@ -153,7 +159,6 @@ class AcrossNodes:
     ) -> AcquireResult:
         """The rounds (see the module's docs); *taken* holds the reservations made and not
         given back yet, until the request's moment is decided."""
-        loop = asyncio.get_running_loop()
         peeks = await asyncio.gather(*(self._call(budget, cost, PEEK, 0) for budget in budgets))
         paused = [result for result in peeks if result.paused]
         if paused:
@@ -166,9 +171,10 @@ class AcrossNodes:
                 taken.append((budgets[n].name, results[n]))
 
         for _ in range(ROUNDS):
-            moments = [_moment(result) for result in results]
+            now = self._clock.monotonic()
+            moments = [_moment(result, now) for result in results]
             moment = max(moments)
-            if moment - loop.time() > reserve:
+            if moment - now > reserve:
                 break
             first = moments.index(moment)
             await at(first, moment)
@@ -188,14 +194,16 @@ class AcrossNodes:
             paused = [result for result in results if result.paused]
             if paused:
                 return paused[0]
-        return _refused(results[0], max(_moment(result) for result in results))
+        now = self._clock.monotonic()
+        return _refused(results[0], max(_moment(result, now) for result in results), now)
 
     async def _at(
         self, budget: NodeBudget, cost: float, moment: float, last: AcquireResult
     ) -> AcquireResult:
         """*budget*'s tokens taken at *moment* (loop time), or nothing: its reply. *last*: its
         last reply, whose offset converts the moment to its node's clock."""
-        not_before = max(0, math.ceil(_server_us(last) + (moment - _moment(last)) * 1e6))
+        later = moment - _moment(last, self._clock.monotonic())
+        not_before = max(0, math.ceil(_server_us(last) + later * 1e6))
         return await self._call(budget, cost, 0.0, not_before)
 
     async def _call(
@@ -225,9 +233,10 @@ def _taken(result: AcquireResult) -> bool:
     return result.allowed or result.reserved
 
 
-def _moment(result: AcquireResult) -> float:
-    """When *result* lets its request go (loop time; for a refusal, when it could)."""
-    return result.decided(asyncio.get_running_loop().time()) + result.retry_after
+def _moment(result: AcquireResult, now: float) -> float:
+    """When *result*, read at *now*, lets its request go (loop time; for a refusal, when it
+    could)."""
+    return result.decided(now) + result.retry_after
 
 
 def _server_us(result: AcquireResult) -> float:
@@ -236,9 +245,10 @@ def _server_us(result: AcquireResult) -> float:
     return result.moment_us
 
 
-def _refused(result: AcquireResult, moment: float) -> AcquireResult:
-    """*result* (its domain's reply) as a refusal that may ask again at *moment*."""
-    later = moment - _moment(result)
+def _refused(result: AcquireResult, moment: float, now: float) -> AcquireResult:
+    """*result* (its domain's reply, read by *now*) as a refusal that may ask again at
+    *moment*."""
+    later = moment - _moment(result, now)
     return dataclasses.replace(
         result,
         allowed=False,

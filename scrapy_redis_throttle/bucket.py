@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import re
 import secrets
 from dataclasses import dataclass
@@ -12,6 +11,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from redis.exceptions import ResponseError
 
 from .across_nodes import AcrossNodes
+from .clock import Clock
 from .connection import ClusterClient, drop_idle_connections
 from .rates import Limit, Quota
 from .redis_schema import (
@@ -250,21 +250,25 @@ class TokenBucket:
         key_prefix: str,
         adaptive: bool = False,
         may_call: Callable[[], bool] = lambda: True,
+        clock: Clock | None = None,
     ) -> None:
         """*may_call*: whether Redis may be called now (False: it failed meanwhile; see
-        :class:`.across_nodes.CallsStopped`)."""
+        :class:`.across_nodes.CallsStopped`); *clock*: this process's (the real one when
+        None)."""
+        clock = clock or Clock()
+        self._process_clock = clock
         self._redis = redis
         self._key_prefix = key_prefix
         self._adaptive = adaptive
         self._live_quotas: set[str] = set()
         """Domains whose limit set live has quotas (or had)."""
-        self._clocks = ServerClocks(redis)
-        self._script = lua_script(redis, "token_bucket.lua")
-        self._penalty_script = lua_script(redis, "penalty.lua")
-        self._slow_down_script = lua_script(redis, "slow_down.lua")
-        self._voided_script = lua_script(redis, "voided.lua")
-        self._unreserve_script = lua_script(redis, "unreserve.lua")
-        self._across = AcrossNodes(self.acquire_in_one_call, self.unreserve, may_call)
+        self._clocks = ServerClocks(redis, clock)
+        self._script = lua_script(redis, "token_bucket.lua", clock)
+        self._penalty_script = lua_script(redis, "penalty.lua", clock)
+        self._slow_down_script = lua_script(redis, "slow_down.lua", clock)
+        self._voided_script = lua_script(redis, "voided.lua", clock)
+        self._unreserve_script = lua_script(redis, "unreserve.lua", clock)
+        self._across = AcrossNodes(self.acquire_in_one_call, self.unreserve, may_call, clock)
 
     async def acquire(
         self,
@@ -325,10 +329,9 @@ class TokenBucket:
             not_before,
             alone,
         )
-        loop = asyncio.get_running_loop()
-        sent = loop.time()
+        sent = self._process_clock.monotonic()
         reply: list[Any] = await self._script(keys=keys, args=args)
-        read = loop.time()
+        read = self._process_clock.monotonic()
         if reply[0] == QUOTA_KEYS_NEEDED:
             # Remembered: the domain's calls pass the quotas' keys from now on (an unused key
             # costs the script nothing).

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from contextlib import suppress
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
@@ -29,6 +28,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from .clock import sleep_or_wake
 from .config import STATS_PREFIX
 from .connection import pubsub
 from .tasks import cancel_and_wait
@@ -84,11 +84,11 @@ def _cancelling() -> bool:
     return bool(cancelling and cancelling())
 
 
-def parse_retry_after(value: bytes | None, date: bytes | None) -> float | None:
+def parse_retry_after(value: bytes | None, date: bytes | None, now: float) -> float | None:
     """Seconds from a ``Retry-After`` header: delta-seconds, or an HTTP-date taken relative to
-    the response's ``Date`` (so that the site's clock, not ours, counts). None when missing; 0
-    for a moment already past; at most MAX_RETRY_AFTER. ValueError, saying why, for anything
-    else."""
+    the response's ``Date`` (so that the site's clock, not ours, counts), else to *now* (wall
+    time). None when missing; 0 for a moment already past; at most MAX_RETRY_AFTER.
+    ValueError, saying why, for anything else."""
     if not value:
         return None
     text = value.decode("latin-1").strip()
@@ -102,7 +102,7 @@ def parse_retry_after(value: bytes | None, date: bytes | None) -> float | None:
         raise ValueError(f"Retry-After {text[:100]!r}: neither seconds nor an HTTP-date")
     # Without a Date header it can read, our clock stands in for the site's.
     sent_at = _http_date(date.decode("latin-1")) if date else None
-    seconds = (retry_at - (sent_at or datetime.now(timezone.utc))).total_seconds()
+    seconds = (retry_at - (sent_at or datetime.fromtimestamp(now, timezone.utc))).total_seconds()
     return min(MAX_RETRY_AFTER, max(0.0, seconds))
 
 
@@ -210,8 +210,7 @@ class Pauses:
         """Listen, and wait a little for the subscription to be in force."""
         self._subscribed = asyncio.Event()
         self._listener = asyncio.ensure_future(self._listen())
-        with suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._subscribed.wait(), FIRST_SUBSCRIPTION_WAIT)
+        await sleep_or_wake(self._clock, FIRST_SUBSCRIPTION_WAIT, self._subscribed)
 
     async def stop(self) -> None:
         if self._listener is not None:

@@ -81,7 +81,9 @@ class Pushback:
         self._stats.inc_value(f"{STATS_PREFIX}/penalties/{response.status}")
         try:
             retry_after = parse_retry_after(
-                response.headers.get(b"Retry-After"), response.headers.get(b"Date")
+                response.headers.get(b"Retry-After"),
+                response.headers.get(b"Date"),
+                self._clock.wall(),
             )
         except ValueError as error:
             self._rejections.reject("retry_after", domain, str(error), "paused as without one")

@@ -84,10 +84,10 @@ class RedisParking:
         self._rejections = rejections
         # None (no throttle's Redis to keep a secret): it seals nothing, and no ticket counts.
         self._seals = seals or Seals()
-        self._park_script = lua_script(redis, "park.lua")
-        self._unpark_script = lua_script(redis, "unpark.lua")
-        self._void_script = lua_script(redis, "void_parked.lua")
-        self._server_clock = ServerClock()  # scrapy-redis's Redis's, not the throttle's
+        self._park_script = lua_script(redis, "park.lua", clock)
+        self._unpark_script = lua_script(redis, "unpark.lua", clock)
+        self._void_script = lua_script(redis, "void_parked.lua", clock)
+        self._server_clock = ServerClock(clock)  # scrapy-redis's Redis's, not the throttle's
 
     async def park(self, request: Request, ticket: Ticket) -> None:
         meta = {name: value for name, value in request.meta.items() if name != LEASE_META}

@@ -96,6 +96,7 @@ class ResilientBucket:
             config.key_prefix,
             adaptive=config.adaptive is not None,
             may_call=lambda: self.breaker.open_for() is None,
+            clock=clock,
         )
         self._config = config
         self._stats = stats

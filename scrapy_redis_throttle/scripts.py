@@ -23,6 +23,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from .clock import Clock
 from .connection import ClusterClient, closed_by_server
 from .rates import MAX_LIMITS, MAX_SLIDING_COUNT
 from .redis_schema import EPOCH
@@ -71,10 +72,13 @@ MAX_REDIRECTIONS = 16
 TRY_AGAIN_DELAY = 0.05
 
 
-def lua_script(redis: ThrottleRedis, name: str) -> LuaScript | ClusterLuaScript:
-    """``lua/<name>``, called as suits the throttle's Redis: one server or a cluster."""
+def lua_script(
+    redis: ThrottleRedis, name: str, clock: Clock | None = None
+) -> LuaScript | ClusterLuaScript:
+    """``lua/<name>``, called as suits the throttle's Redis: one server or a cluster (which
+    waits by *clock*, the real one when None)."""
     if isinstance(redis, ClusterClient):
-        return ClusterLuaScript(redis, name)
+        return ClusterLuaScript(redis, name, clock or Clock())
     pool = redis.connection_pool
     # The client's settings (URL, password, TLS, timeouts, no retries), not its pool.
     return LuaScript(pool.connection_class(**pool.connection_kwargs), name)
@@ -101,8 +105,9 @@ class ClusterLuaScript(_Source):
     the script did not run. A failed call is not made again (it may have run), but the slots
     are read again before the next one: a failover may be under way."""
 
-    def __init__(self, cluster: ClusterClient, name: str) -> None:
+    def __init__(self, cluster: ClusterClient, name: str, clock: Clock) -> None:
         super().__init__(name)
+        self._clock = clock
         self._cluster = cluster
         self._on_node: dict[str, LuaScript] = {}
 
@@ -124,7 +129,7 @@ class ClusterLuaScript(_Source):
                 target, asking = (ask.host, ask.port), True
             except TryAgainError:
                 target, asking = primary, False
-                await asyncio.sleep(TRY_AGAIN_DELAY)
+                await self._clock.sleep(TRY_AGAIN_DELAY)
             except (RedisConnectionError, RedisTimeoutError, ClusterDownError):
                 self._cluster.slots_moved()
                 raise

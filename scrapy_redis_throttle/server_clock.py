@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from redis.crc import key_slot
 
+from .clock import Clock
 from .connection import ClusterClient
 from .redis_schema import server_micros
 
@@ -51,7 +52,9 @@ class ServerClock:
     times count from when it was read, as they would without this clock.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock | None = None) -> None:
+        """*clock*: this process's (the real one when None)."""
+        self._clock = clock or Clock()
         self._reading: asyncio.Future[None] | None = None
         """Done when the reading of ``TIME`` under way ends (None: none is)."""
         self._generations: list[tuple[float, float]] = []
@@ -69,7 +72,7 @@ class ServerClock:
         """When, by the loop's clock, Redis's clock reads *server_us* (µs since the scripts'
         epoch), as :meth:`decided_at` counts (None: unknown, or its bounds are over two
         generations old)."""
-        if not self._known_at(asyncio.get_running_loop().time()):
+        if not self._known_at(self._clock.monotonic()):
             return None
         return server_us / 1e6 + self._bounds()[0]
 
@@ -79,7 +82,7 @@ class ServerClock:
         worker tells Redis, such as the end of the tokens it took alone, is never earlier there
         than it is here, so that Redis gives no moment before it. A moment of a reply told back
         comes back later by the bounds' width (about a round trip, once they are narrow)."""
-        if not self._known_at(asyncio.get_running_loop().time()):
+        if not self._known_at(self._clock.monotonic()):
             return None
         return (moment - self._bounds()[1]) * 1e6
 
@@ -100,20 +103,19 @@ class ServerClock:
         *server_time*), a few times: a call whose reply counts by this clock must know it
         first, or an unknown clock would take that one reply's bounds alone, and a reply read
         late (by a busy process) would place its moments that much late."""
-        loop = asyncio.get_running_loop()
         if self._reading is not None:
             # One reading for the calls that come meanwhile: they go after it, in the order
             # they came (a call that came later must not overtake them with the clock known).
             await asyncio.shield(self._reading)
             return
-        if self.server_us(loop.time()) is not None:
+        if self.server_us(self._clock.monotonic()) is not None:
             return
-        self._reading = loop.create_future()
+        self._reading = asyncio.get_running_loop().create_future()
         try:
             for _ in range(FIRST_READS):
-                sent = loop.time()
+                sent = self._clock.monotonic()
                 seconds, micros = await server_time()
-                self.decided_at(sent, loop.time(), server_micros(seconds, micros))
+                self.decided_at(sent, self._clock.monotonic(), server_micros(seconds, micros))
         finally:
             # Failed or not, the calls waiting go on (each learns from its own reply if need be).
             reading, self._reading = self._reading, None
@@ -153,9 +155,10 @@ class ServerClocks:
     its own clock, and a moment one gave is read by its clock alone (a reply from another
     node, the slot moved, starts the clock again)."""
 
-    def __init__(self, redis: ThrottleRedis) -> None:
+    def __init__(self, redis: ThrottleRedis, clock: Clock) -> None:
         self._redis = redis
-        self._clock = ServerClock()
+        self._process_clock = clock
+        self._clock = ServerClock(clock)
         self._node_clocks: dict[str, ServerClock] = {}
 
     def of(self, key: str) -> ServerClock:
@@ -164,7 +167,7 @@ class ServerClocks:
         if not isinstance(self._redis, ClusterClient):
             return self._clock
         primary = self._redis.known_primary_for(key_slot(key.encode()))
-        return ServerClock() if primary is None else self._node(primary)
+        return ServerClock(self._process_clock) if primary is None else self._node(primary)
 
     async def read(self) -> None:
         """Learn each clock before the first requests (see :meth:`ServerClock.follow`): a
@@ -190,5 +193,5 @@ class ServerClocks:
     def _node(self, node: ClusterNode) -> ServerClock:
         clock = self._node_clocks.get(node.name)
         if clock is None:
-            clock = self._node_clocks[node.name] = ServerClock()
+            clock = self._node_clocks[node.name] = ServerClock(self._process_clock)
         return clock

@@ -104,7 +104,7 @@ def counting(
             await before(call)
         return await bucket.acquire_in_one_call(name, limit, cost, reserve, busy, not_before, alone)
 
-    return AcrossNodes(acquire_one, bucket.unreserve, lambda: True)
+    return AcrossNodes(acquire_one, bucket.unreserve, lambda: True, Clock())
 
 
 @async_test

@@ -53,6 +53,7 @@ from scrapy_redis_throttle.control import LiveControl
 from scrapy_redis_throttle.crawl_delay import MIN_CRAWL_DELAY, parse_crawl_delay
 from scrapy_redis_throttle.errors import ThrottleConfigError
 from scrapy_redis_throttle.penalties import (
+    FIRST_SUBSCRIPTION_WAIT,
     MAX_RESUBSCRIBE_DELAY,
     MAX_RETRY_AFTER,
     PAUSES_PER_DOMAIN,
@@ -93,7 +94,7 @@ def no_redis_failure(stats: dict[str, object]) -> None:
     ],
 )
 def test_a_retry_after_becomes_a_bounded_number_of_seconds(value: bytes, expected: float) -> None:
-    assert parse_retry_after(value, None) == expected
+    assert parse_retry_after(value, None, time.time()) == expected
 
 
 @pytest.mark.parametrize(
@@ -114,14 +115,17 @@ def test_a_retry_after_becomes_a_bounded_number_of_seconds(value: bytes, expecte
 )
 def test_a_retry_after_that_is_no_delay_is_refused_saying_why(value: bytes) -> None:
     with pytest.raises(ValueError, match="Retry-After") as refused:
-        parse_retry_after(value, None)
+        parse_retry_after(value, None, time.time())
     assert len(str(refused.value)) < 200, "the message quotes a bounded part of the value"
 
 
 def test_a_bad_date_header_leaves_the_retry_after_date_to_our_clock() -> None:
-    assert parse_retry_after(b"Wed, 21 Oct 2015 07:28:00 GMT", b"garbage") == 0.0
+    assert parse_retry_after(b"Wed, 21 Oct 2015 07:28:00 GMT", b"garbage", time.time()) == 0.0
     assert (
-        parse_retry_after(b"Wed, 21 Oct 2015 07:28:00 GMT", b"Wed, 21 Oct 2015 07:27:00 GMT") == 60
+        parse_retry_after(
+            b"Wed, 21 Oct 2015 07:28:00 GMT", b"Wed, 21 Oct 2015 07:27:00 GMT", time.time()
+        )
+        == 60
     )
 
 
@@ -287,6 +291,8 @@ async def test_the_pauses_listener_backs_off_while_a_bug_fails_it_at_once(
     monkeypatch.setattr(pauses, "_received", bug)
     try:
         await pauses.start()
+        assert waits == [FIRST_SUBSCRIPTION_WAIT], "start waits for the subscription, by the clock"
+        waits.clear()
         with redis_server.client() as publisher:
             for n in range(8):
                 await wait_until_async(

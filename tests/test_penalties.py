@@ -61,7 +61,7 @@ BACKOFF = Backoff(first=1.0, longest=600.0, decay=60.0)
 def test_retry_after_seconds_or_http_date(
     value: bytes | None, date: bytes | None, expected: float | None
 ) -> None:
-    assert parse_retry_after(value, date) == expected
+    assert parse_retry_after(value, date, time.time()) == expected
 
 
 @async_test

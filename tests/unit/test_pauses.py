@@ -4,6 +4,7 @@ wake, what they keep in memory, and what a message on the channel may do; on a f
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from fakes import Throttle, limit
@@ -285,13 +286,21 @@ async def test_a_domain_of_any_bytes_in_a_message_is_that_domain() -> None:
 def test_retry_after_is_seconds_or_a_date_by_the_sites_clock(
     value: bytes | None, date: bytes | None, seconds: float | None
 ) -> None:
-    assert parse_retry_after(value, date) == seconds
+    assert parse_retry_after(value, date, time.time()) == seconds
+
+
+def test_a_retry_after_date_without_the_sites_date_counts_from_now() -> None:
+    """*now*: the clock's wall time, not the machine's."""
+    date = b"Wed, 21 Oct 2015 07:28:00 GMT"
+    at = 1445412480.0  # that date, by the epoch
+    assert parse_retry_after(date, None, at - 30) == 30.0
+    assert parse_retry_after(date, None, at + 30) == 0.0
 
 
 @pytest.mark.parametrize("value", [b"-1", b"1.5", "²".encode(), b"soon", b"\xff"])
 def test_a_retry_after_of_another_form_is_refused_saying_why(value: bytes) -> None:
     with pytest.raises(ValueError, match="neither seconds nor an HTTP-date"):
-        parse_retry_after(value, None)
+        parse_retry_after(value, None, time.time())
 
 
 @async_test
