@@ -7,7 +7,7 @@ import asyncio
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from .clock import Clock
 
 
 class CircuitBreaker:
@@ -18,7 +18,7 @@ class CircuitBreaker:
         self,
         first_delay: float,
         max_delay: float,
-        clock: Callable[[], float],
+        clock: Clock,
     ) -> None:
         self._first_delay = min(first_delay, max_delay)
         self._max_delay = max_delay
@@ -29,14 +29,14 @@ class CircuitBreaker:
 
     def open_for(self) -> float | None:
         """Seconds since the breaker opened; ``None`` while it is closed."""
-        return None if self.open_since is None else self._clock() - self.open_since
+        return None if self.open_since is None else self._clock.monotonic() - self.open_since
 
     def failed(self) -> bool:
         """Record a failed call; return whether it opened the breaker (a call that started
         before it opened changes nothing)."""
         if self.open_since is not None:
             return False
-        self.open_since = self._clock()
+        self.open_since = self._clock.monotonic()
         self._delay = self._first_delay
         return True
 
@@ -50,7 +50,7 @@ class CircuitBreaker:
         """Record a successful call; return how long the breaker was open, if it was."""
         if self.open_since is None:
             return None
-        outage = self._clock() - self.open_since
+        outage = self._clock.monotonic() - self.open_since
         self.open_since = None
         self.stop_waiting()
         return outage

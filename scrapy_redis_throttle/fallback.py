@@ -82,12 +82,12 @@ class Fallback:
         self._log_extra = log_extra
         self._clock = clock
         self._fleet_size = fleet_size
-        self.local = LocalBuckets(clock.monotonic)
+        self.local = LocalBuckets(clock)
         """This worker's pace alone, following Redis's while it answers."""
         # Until then (monotonic time), after an outage, requests also keep to this worker's
         # share, in buckets of their own: the other workers may still pace alone.
         self._handover_until = 0.0
-        self._handover = LocalBuckets(clock.monotonic)
+        self._handover = LocalBuckets(clock)
 
     def decide(
         self, domain: str, limit: Limit, cost: float, others: Sequence[Budget], outage: float

@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING
 from .bucket import AcquireResult
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Mapping, Sequence
+    from collections.abc import Iterable, Mapping, Sequence
 
     from .budgets import Budget
+    from .clock import Clock
     from .rates import Limit
 
 # Local buckets that are full again are forgotten once there are this many (or twice as many as
@@ -20,7 +21,7 @@ LOCAL_PRUNE_SIZE = 10_000
 
 class LocalBuckets:
     """Per-domain buckets in this process, for the ``"local"`` policy: the same algorithm as
-    ``token_bucket.lua`` (GCRA), on *clock* (monotonic time), at the rate and the burst divided
+    ``token_bucket.lua`` (GCRA), on *clock*'s monotonic time, at the rate and the burst divided
     by the fleet's size (the *workers* passed to :meth:`acquire`).
 
     While Redis answers, :meth:`follow` records when each domain's shared bucket is full again;
@@ -35,7 +36,7 @@ class LocalBuckets:
     not push the bucket later.
     """
 
-    def __init__(self, clock: Callable[[], float]) -> None:
+    def __init__(self, clock: Clock) -> None:
         self._clock = clock
         self._full_at: dict[str, float] = {}  # GCRA's "theoretical arrival time"
         # The domains this process took tokens of locally and has not told Redis of since, by
@@ -57,7 +58,7 @@ class LocalBuckets:
         """Record *shared*, Redis's decision for a request of *domain* (and for its
         *others* scopes, whose buckets are full again at least the request's own time after its
         moment)."""
-        now = self._clock()
+        now = self._clock.monotonic()
         decided = shared.decided(now)
         full_at = decided + shared.reset_after
         self._full_at[domain] = max(self._full_at.get(domain, now), full_at)
@@ -90,7 +91,7 @@ class LocalBuckets:
         reserved when Redis failed, not told to Redis yet, keep its bucket busy (0: none, or
         not later than now)."""
         full_at = self._full_at.get(domain, 0.0)
-        if domain not in self._untold or full_at <= self._clock():
+        if domain not in self._untold or full_at <= self._clock.monotonic():
             return 0.0
         return full_at
 
@@ -98,7 +99,7 @@ class LocalBuckets:
         """Redis failed: once it is back, every bucket still busy is told again, as if its tokens
         were taken locally. It may have lost them (restarted empty; a replica that had not
         caught up took over), and requests hold moments reserved there."""
-        now = self._clock()
+        now = self._clock.monotonic()
         for domain, full_at in self._full_at.items():
             if full_at > now:
                 self._takes += 1
@@ -137,7 +138,7 @@ class LocalBuckets:
         """Take *cost* tokens of *domain*'s share of *limit* in a fleet of *workers*, and of
         the shares of the request's *others* scopes (see :meth:`.TokenBucket.acquire`): at
         the latest moment any of them allows."""
-        now = self._clock()
+        now = self._clock.monotonic()
         wait, budgets = 0.0, []
         for name, each in ((domain, limit), *others):
             interval = workers / each.rate

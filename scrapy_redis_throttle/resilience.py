@@ -102,7 +102,7 @@ class ResilientBucket:
         self._stats = stats
         self._log_extra = log_extra
         self._rejections = Rejections(stats, log_extra)
-        self.breaker = CircuitBreaker(FIRST_PROBE_DELAY, config.probe_interval, clock.monotonic)
+        self.breaker = CircuitBreaker(FIRST_PROBE_DELAY, config.probe_interval, clock)
         self._closing = False
         self.fallback = Fallback(config, stats, log_extra, clock, fleet_size)
         self._prober: asyncio.Task[None] | None = None

@@ -39,9 +39,7 @@ from support import (
 
 from scrapy_redis_throttle import ThrottleConfig, ThrottleConfigError
 from scrapy_redis_throttle.bucket import TokenBucket
-from scrapy_redis_throttle.budgets import Budget
 from scrapy_redis_throttle.control import LiveControl
-from scrapy_redis_throttle.local_buckets import LocalBuckets
 from scrapy_redis_throttle.rates import Limit
 from scrapy_redis_throttle.redis_schema import bucket_key
 from scrapy_redis_throttle.scopes import HOST as HOST_SCOPE
@@ -357,24 +355,6 @@ def test_a_bad_proxy_is_refused_without_showing_it(proxy: object) -> None:
     with pytest.raises(ValueError, match="meta\\['proxy'\\]") as refused:
         proxy_name(proxy)
     assert "secret" not in str(refused.value)
-
-
-def test_local_pacing_takes_every_scope_s_share_at_the_latest_moment() -> None:
-    """While Redis fails, the "local" policy paces each budget at its share of the fleet's
-    rate, as lua/token_bucket.lua does in Redis: the request's moment is the latest of them."""
-    now = [100.0]
-    local = LocalBuckets(lambda: now[0])
-    site, host = Limit(rate=4, burst=1, text="4/s"), Limit(rate=1, burst=1, text="1/s")
-    others = [Budget(HOST, host)]
-    assert local.acquire(SITE, site, 1, reserve=10, workers=2, others=others).allowed
-    second = local.acquire(SITE, site, 1, reserve=10, workers=2, others=others)
-    assert second.reserved
-    assert second.retry_after == pytest.approx(2.0), "the host's share: 1/s over 2 workers"
-    assert local.busy_until(SITE) == pytest.approx(102.5), "the site counts it at that moment"
-    refused = local.acquire(SITE, site, 1, reserve=1, workers=2, others=others)
-    assert not refused.allowed
-    assert not refused.reserved
-    assert local.busy_until(HOST) == pytest.approx(104.0), "nothing taken"
 
 
 @async_test

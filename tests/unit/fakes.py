@@ -137,7 +137,7 @@ class MemoryBucket:
         self._clock = clock
         self._max_reserve = max_reserve
         self.shared = shared
-        self.bucket = LocalBuckets(clock.monotonic)
+        self.bucket = LocalBuckets(clock)
         self.calls: list[tuple[float, str]] = []
         self.answers: list[AcquireResult] = []
         # What voided() answers: whether Redis could tell, and the last voiding.
@@ -302,7 +302,7 @@ class FlakyScripts:
     def __init__(self, clock: FakeClock) -> None:
         self.up = True
         self.refusing = False
-        self.bucket = LocalBuckets(clock.monotonic)
+        self.bucket = LocalBuckets(clock)
         self.calls: list[tuple[str, float]] = []
         self.probes = 0
         # The fleet's secret in Redis: another one is Redis restarted empty.

@@ -14,6 +14,7 @@ from support import async_test
 from scrapy_redis_throttle import local_buckets
 from scrapy_redis_throttle.breaker import CircuitBreaker
 from scrapy_redis_throttle.bucket import AcquireResult
+from scrapy_redis_throttle.budgets import Budget
 from scrapy_redis_throttle.config import (
     DEFAULT_FALLBACK_AFTER,
     DEFAULT_MAX_HOLD,
@@ -39,7 +40,7 @@ def seen(bucket: ResilientBucket, domain: str = A) -> None:
 
 def test_breaker_opens_once_and_probes_with_a_growing_delay() -> None:
     clock = FakeClock()
-    breaker = CircuitBreaker(first_delay=0.5, max_delay=3, clock=clock.monotonic)
+    breaker = CircuitBreaker(first_delay=0.5, max_delay=3, clock=clock)
     assert breaker.open_for() is None
     assert breaker.failed() is True, "the first failure opens it"
     assert breaker.failed() is False, "calls already under way change nothing"
@@ -53,9 +54,27 @@ def test_breaker_opens_once_and_probes_with_a_growing_delay() -> None:
     assert breaker.next_probe_in() == 0.5, "the delay starts again from the first one"
 
 
+def test_local_pacing_takes_every_scope_s_share_at_the_latest_moment() -> None:
+    """While Redis fails, the "local" policy paces each budget at its share of the fleet's
+    rate, as lua/token_bucket.lua does in Redis: the request's moment is the latest of them."""
+    clock = FakeClock()
+    local = LocalBuckets(clock)
+    site, host = Limit(rate=4, burst=1, text="4/s"), Limit(rate=1, burst=1, text="1/s")
+    others = [Budget("img.shop.com", host)]
+    assert local.acquire("shop.com", site, 1, reserve=10, workers=2, others=others).allowed
+    second = local.acquire("shop.com", site, 1, reserve=10, workers=2, others=others)
+    assert second.reserved
+    assert second.retry_after == pytest.approx(2.0), "the host's share: 1/s over 2 workers"
+    assert local.busy_until("shop.com") == pytest.approx(clock.now + 2.5), "counted then"
+    refused = local.acquire("shop.com", site, 1, reserve=1, workers=2, others=others)
+    assert not refused.allowed
+    assert not refused.reserved
+    assert local.busy_until("img.shop.com") == pytest.approx(clock.now + 4.0), "nothing taken"
+
+
 @async_test
 async def test_breaker_wakes_its_waiters_when_it_closes() -> None:
-    breaker = CircuitBreaker(first_delay=0.5, max_delay=3, clock=FakeClock().monotonic)
+    breaker = CircuitBreaker(first_delay=0.5, max_delay=3, clock=FakeClock())
     await breaker.wait_closed()  # closed: no wait
     breaker.failed()
     waiters = [asyncio.ensure_future(breaker.wait_closed()) for _ in range(3)]
@@ -67,7 +86,7 @@ async def test_breaker_wakes_its_waiters_when_it_closes() -> None:
 
 def test_local_buckets_pace_each_domain_at_its_share_of_the_rate() -> None:
     clock = FakeClock()
-    local = LocalBuckets(clock.monotonic)
+    local = LocalBuckets(clock)
     limit = Limit(rate=10, burst=1, text="10/s")  # 5/s for each of 2 workers: every 0.2 s
     first = local.acquire("a.example", limit, cost=1, reserve=0.5, workers=2)
     assert first.allowed
@@ -84,7 +103,7 @@ def test_local_buckets_share_the_burst_between_the_workers() -> None:
     """3 workers at 6/s, burst 6: each one's bucket holds 2 tokens, refilled at 2/s, so that
     the fleet's first moments after a switch hold one burst, not three."""
     clock = FakeClock()
-    local = LocalBuckets(clock.monotonic)
+    local = LocalBuckets(clock)
     limit = Limit(rate=6, burst=6, text="6/s")
     results = [local.acquire("a.example", limit, 1, 10, workers=3) for _ in range(4)]
     assert [r.allowed for r in results] == [True, True, False, False]
@@ -95,7 +114,7 @@ def test_local_buckets_share_the_burst_between_the_workers() -> None:
 
 def test_local_buckets_start_where_the_shared_bucket_was() -> None:
     clock = FakeClock()
-    local = LocalBuckets(clock.monotonic)
+    local = LocalBuckets(clock)
     shared = AcquireResult(allowed=False, reserved=True, tokens_left=0, retry_after=0.9,
                            reset_after=1.0)  # fmt: skip
     local.follow("a.example", shared)
@@ -109,7 +128,7 @@ def test_only_tokens_taken_locally_are_told_to_redis_once() -> None:
     tokens taken locally are told until a reply shows a call told them, and one taken after
     that call was sent is told by the next; after a failure of Redis, every busy bucket."""
     clock = FakeClock()
-    local = LocalBuckets(clock.monotonic)
+    local = LocalBuckets(clock)
     limit = Limit(10, 1, "10/s")
     shared = AcquireResult(allowed=True, reserved=False, tokens_left=0, retry_after=0,
                            reset_after=1.0)  # fmt: skip
@@ -144,7 +163,7 @@ def test_only_tokens_taken_locally_are_told_to_redis_once() -> None:
 def test_local_buckets_forget_full_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(local_buckets, "LOCAL_PRUNE_SIZE", 100)
     clock = FakeClock()
-    local = LocalBuckets(clock.monotonic)
+    local = LocalBuckets(clock)
     limit = Limit(1, 1, "1/s")
     for n in range(100):
         local.acquire(f"d{n}.example", limit, 1, 0, 1)
@@ -350,7 +369,7 @@ async def test_what_was_taken_during_the_outage_is_told_until_a_call_takes_token
     await clock.advance(FIRST_PROBE_DELAY)
     await clock.advance(1.0)  # the handover is over
     scripts.calls.clear()
-    scripts.bucket = LocalBuckets(clock.monotonic)  # Redis restarted empty
+    scripts.bucket = LocalBuckets(clock)  # Redis restarted empty
     scripts.refusing = True
     await bucket.acquire(A, one_per_second, 1)
     scripts.refusing = False

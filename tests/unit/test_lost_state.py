@@ -71,7 +71,7 @@ def test_after_redis_lost_its_state_nothing_seen_or_taken_before_is_told() -> No
     it would hold them idle until then (issue #43: ~110 s, the old backlog's length). What
     went before is told as one bound instead (see the tests below)."""
     clock = FakeClock()
-    local = LocalBuckets(clock.monotonic)
+    local = LocalBuckets(clock)
     seen = AcquireResult(False, True, 0.0, retry_after=100.0, reset_after=100.5)
     local.follow(A, seen)
     local.tell_again()
@@ -121,7 +121,7 @@ async def fleet_of(clock: FakeClock, size: int) -> tuple[list[ResilientBucket], 
 
 def restarted_empty(clock: FakeClock, scripts: FlakyScripts) -> None:
     """The scripts' Redis restarted empty: no bucket, and a new secret once a worker reads it."""
-    scripts.bucket, scripts.secret, scripts.up = LocalBuckets(clock.monotonic), b"t" * 64, True
+    scripts.bucket, scripts.secret, scripts.up = LocalBuckets(clock), b"t" * 64, True
 
 
 @async_test
