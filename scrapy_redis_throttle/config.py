@@ -178,11 +178,10 @@ def _queue_redis(settings: BaseSettings) -> tuple[str, Mapping[str, Any]] | Thro
 DEFAULT_SCHEDULER = "scrapy.core.scheduler.Scheduler"
 
 
-def inner_scheduler(settings: BaseSettings) -> type[BaseScheduler]:
-    """``REDIS_THROTTLE_SCHEDULER``: the scheduler :class:`.ParkingScheduler` composes with
-    parking (the add-on sets it to the project's ``SCHEDULER``), a class or its import path."""
-    from .parking_scheduler import composes_parking  # (it reads this setting with this)
-
+def inner_scheduler(settings: BaseSettings, composer: type) -> type[BaseScheduler]:
+    """``REDIS_THROTTLE_SCHEDULER``: the scheduler *composer* (:class:`.ParkingScheduler`)
+    composes with parking (the add-on sets it to the project's ``SCHEDULER``), a class or its
+    import path; never *composer* itself, nor a class made from it."""
     value = settings.get("REDIS_THROTTLE_SCHEDULER") or DEFAULT_SCHEDULER
     try:
         scheduler = load_object(value) if isinstance(value, str) else value
@@ -193,7 +192,7 @@ def inner_scheduler(settings: BaseSettings) -> type[BaseScheduler]:
     if (
         not isinstance(scheduler, type)
         or not issubclass(scheduler, BaseScheduler)
-        or composes_parking(scheduler)
+        or composer in scheduler.__mro__
     ):
         raise ThrottleConfigError(
             "REDIS_THROTTLE_SCHEDULER must name a scheduler class to compose with parking (not "

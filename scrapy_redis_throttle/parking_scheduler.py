@@ -61,7 +61,7 @@ class ParkingScheduler(BaseScheduler):
     def from_crawler(cls, crawler: Crawler) -> Self:
         """The scheduler ``REDIS_THROTTLE_SCHEDULER`` names, built as Scrapy builds its
         ``SCHEDULER``, composed with parking."""
-        return cls(build_from_crawler(inner_scheduler(crawler.settings), crawler))
+        return cls(build_from_crawler(inner_scheduler(crawler.settings, ParkingScheduler), crawler))
 
     def park_with(self, area: ParkingArea) -> None:
         self._area = area

@@ -125,7 +125,7 @@ def test_the_addon_composes_the_projects_scheduler_with_parking() -> None:
     assert settings["SCHEDULER"] == "scrapy_redis_throttle.parking_scheduler.ParkingScheduler"
     assert settings["REDIS_THROTTLE_SCHEDULER"] == "scrapy_redis.scheduler.Scheduler"
     assert settings.getpriority("SCHEDULER") == settings.getpriority("REDIS_THROTTLE_SCHEDULER")
-    assert inner_scheduler(settings).__module__ == "scrapy_redis.scheduler"
+    assert inner_scheduler(settings, ParkingScheduler).__module__ == "scrapy_redis.scheduler"
 
 
 def test_the_addon_composes_scrapys_scheduler_by_default() -> None:
@@ -168,4 +168,4 @@ def test_a_scheduler_to_compose_that_is_none_fails_at_start_naming_the_setting(
     value: object,
 ) -> None:
     with pytest.raises(ThrottleConfigError, match="REDIS_THROTTLE_SCHEDULER"):
-        inner_scheduler(Settings({"REDIS_THROTTLE_SCHEDULER": value}))
+        inner_scheduler(Settings({"REDIS_THROTTLE_SCHEDULER": value}), ParkingScheduler)
