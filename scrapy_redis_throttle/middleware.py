@@ -34,7 +34,7 @@ from .metrics_endpoint import MetricsEndpoint, WorkerCollector
 from .penalties import Pause, Pauses
 from .pushback import Pushback
 from .redis_schema import penalty_channel
-from .rejections import Rejections
+from .rejections import Once, Rejections
 from .resilience import ResilientBucket, redis_error_stat
 from .slot_caps import SlotCaps
 from .startup import announce
@@ -103,7 +103,7 @@ class RedisThrottleMiddleware:
             instrument(self.metrics)
         self.metrics_endpoint: MetricsEndpoint | None = None
         self._close_watch: asyncio.Task[None] | None = None
-        self._dropped_logged = False
+        self._once = Once()
         self.parking: ParkingArea | None = None
         self.rejections = Rejections(crawler.stats, self._log_extra)
         self.domains = Domains(
@@ -252,8 +252,7 @@ class RedisThrottleMiddleware:
 
     def _dropped_at_close(self, request: Request) -> None:
         self.stats.inc_value(f"{STATS_PREFIX}/dropped_at_close")
-        if not self._dropped_logged:
-            self._dropped_logged = True
+        if self._once.first("dropped_at_close"):
             logger.info(
                 "Redis throttle: the spider closes: %(request)s, which would wait again for "
                 "its turn and cannot be parked, is dropped, as are the others like it (counted "

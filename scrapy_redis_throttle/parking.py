@@ -41,6 +41,7 @@ from .leases import LEASE_META, Leases
 from .metrics import OTHER
 from .penalties import Pause
 from .redis_parking import ParkUncertain
+from .rejections import Once
 from .request_codec import Unparkable
 from .tickets import TICKET_META, Ticket, Unused, unused_reservation
 
@@ -101,7 +102,7 @@ class ParkingArea:
         self._wake_up = asyncio.Event()
         self._stopping = False
         self._parks_done = 0
-        self._unparkable_logged = False
+        self._once = Once()
         self._next_look = 0.0  # monotonic time of the release loop's next look, while it waits
         self._unpark_failing = False
         self._void_failing = False
@@ -150,8 +151,7 @@ class ParkingArea:
             await self._park_leased(request, ticket, lease)
         except Unparkable as error:
             self._crawler.stats.inc_value(f"{STATS_PREFIX}/unparkable")
-            if not self._unparkable_logged:
-                self._unparkable_logged = True
+            if self._once.first("unparkable"):
                 logger.warning(
                     "Redis throttle: %s cannot be parked (%s); it waits in the downloader, "
                     "as will others that cannot (counted in %s/unparkable, logged once)",

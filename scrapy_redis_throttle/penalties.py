@@ -31,6 +31,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from .clock import sleep_or_wake
 from .config import STATS_PREFIX
 from .connection import pubsub
+from .rejections import Once
 from .tasks import cancel_and_wait
 
 if TYPE_CHECKING:
@@ -204,7 +205,7 @@ class Pauses:
         self._read_at: dict[str, float] = {}
         self._subscribed = asyncio.Event()
         # Kinds of counted trouble already logged once (see _count_once).
-        self._logged: set[str] = set()
+        self._once = Once()
 
     async def start(self) -> None:
         """Listen, and wait a little for the subscription to be in force."""
@@ -411,9 +412,7 @@ class Pauses:
     def _count_once(self, stat: str, message: str, *args: object, error: bool = False) -> None:
         """Count *stat*; log the first of its kind (*error*: at ERROR, with the traceback)."""
         self._stats.inc_value(f"{STATS_PREFIX}/{stat}")
-        kind = stat.partition("/")[0]
-        if kind in self._logged:
+        if not self._once.first(stat.partition("/")[0]):
             return
-        self._logged.add(kind)
         log = logger.exception if error else logger.warning
         log(f"Redis throttle: {message}", *args, extra=self._log_extra())

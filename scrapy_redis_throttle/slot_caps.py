@@ -14,7 +14,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from .rates import format_rate
-from .rejections import LOGGED_DOMAINS
+from .rejections import Once
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -38,18 +38,18 @@ class SlotCaps:
         self._crawl = crawl
         self._fleet_size = fleet_size
         self._log_extra = log_extra
-        self._warned: set[str] = set()
+        self._once = Once()
 
     def check(self, domain: str, limit: Limit, latency: float | None) -> None:
         """Warn if the slot settings hold *domain*, limited to *limit*, below it, a response
         having taken *latency* seconds (None: not known)."""
-        if domain in self._warned or len(self._warned) >= LOGGED_DOMAINS:
+        if self._once.done("slot_cap", domain):
             return
         workers = self._fleet_size() or 1
         cap = self._cap(workers, latency)
         if cap is None or cap[0] >= limit.sustained_rate:
             return
-        self._warned.add(domain)
+        self._once.first("slot_cap", domain)
         rate, setting, per_worker = cap
         logger.warning(
             "Redis throttle: %(setting)s lets each worker send %(domain)r %(per_worker)s: with "
