@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -464,6 +465,8 @@ def test_the_exporter_and_status_show_a_running_fleet(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # A SIGABRT then dumps every thread's stack (see below).
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},
     )
     try:
         assert exporter.stdout is not None
@@ -502,7 +505,15 @@ def test_the_exporter_and_status_show_a_running_fleet(
         finish_crawl_workers(workers, 60)
     finally:
         exporter.send_signal(signal.SIGINT)
-        _, errors = exporter.communicate(timeout=30)
+        try:
+            _, errors = exporter.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            # Its threads' stacks say where an exporter that does not end on Ctrl-C waits.
+            exporter.send_signal(signal.SIGABRT)
+            _, errors = exporter.communicate(timeout=30)
+            raise AssertionError(
+                f"the exporter did not end within 30 s of SIGINT; its stacks:\n{errors}"
+            ) from None
     assert exporter.returncode == 0, errors
 
 
