@@ -9,12 +9,10 @@ Run inside a Scrapy project, it reads the project's settings (``REDIS_THROTTLE_U
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import sys
 import threading
-import time
 from importlib.metadata import version
 from typing import TYPE_CHECKING, Any
 
@@ -23,30 +21,29 @@ from redis.exceptions import RedisClusterException
 from scrapy.utils.conf import closest_scrapy_cfg
 from scrapy.utils.project import get_project_settings
 
+from . import status_view
 from .config import SCOPE_ATTRIBUTE, SPIDER_ATTRIBUTE, ThrottleConfig, needs_extra
 from .connection import connect_sync
-from .control import FleetActivity, LiveControl
+from .control import LiveControl
 from .errors import ThrottleConfigError
 from .metrics_endpoint import MetricsEndpoint
 from .rates import (
     TOKEN_BUCKET,
-    Limit,
     Quota,
-    format_rate,
     normalize_domain,
     parse_burst,
     parse_limit,
 )
 from .redis_schema import ALGORITHM_CODES
 from .scopes import PROXY, proxy_budget
+from .status_view import UNREADABLE_NOTE, as_json
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from .control import Change, DomainState, LiveLimit
+    from .control import Change, LiveLimit
 
 WORKERS_OWN_LIMIT = "the workers' own limit"
-UNREADABLE_NOTE = "ignored, unreadable in Redis: "
 EXIT_REDIS_FAILED = 1
 EXIT_BAD_INPUT = 2
 
@@ -75,12 +72,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command in ("delete", "pause", "resume"):
             _print_change(args.domain, getattr(control, args.command)(args.domain))
         elif args.command == "get":
-            rows = _rows([control.state(args.domain)], config, args.in_project, control.activity())
-            print(_json({"domains": rows}) if args.json else _table(rows))
+            rows = status_view.domain_rows(
+                [control.state(args.domain)], config, args.in_project, control.activity()
+            )
+            print(as_json({"domains": rows}) if args.json else status_view.render_table(rows))
         elif args.command == "list":
             limits = control.live_limits()
             if args.json:
-                print(_json({"live": {domain: _live(limit) for domain, limit in limits.items()}}))
+                print(as_json({"live": {domain: _live(limit) for domain, limit in limits.items()}}))
             else:
                 print(
                     "\n".join(f"{domain}: {limit}" for domain, limit in limits.items())
@@ -89,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "exporter":
             _export(control, args)
         else:
-            _status(control, config, args)
+            status_view.show(control, config, args)
         for problem in control.problems:
             print(f"scrapy-redis-throttle: {UNREADABLE_NOTE}{problem}", file=sys.stderr)
     except (redis.RedisError, RedisClusterException) as exc:
@@ -244,10 +243,6 @@ def _json_option(command: argparse.ArgumentParser) -> None:
     )
 
 
-def _json(value: object) -> str:
-    return json.dumps(value, sort_keys=True)
-
-
 def _domain(text: str, config: ThrottleConfig) -> str:
     """DOMAIN as the workers' budgets are named (see :func:`.rates.normalize_domain`, and
     :func:`.scopes.proxy_budget` for a proxy's ``host:port``, in a project whose scopes count
@@ -339,131 +334,6 @@ def _print_change(domain: str, change: Change) -> None:
         )
 
 
-def _status(control: LiveControl, config: ThrottleConfig, args: argparse.Namespace) -> None:
-    while True:
-        activity = control.activity()
-        workers = control.fleet_workers()
-        domains = sorted(set(control.active_domains()) | set(activity))
-        states = control.states(domains[: args.top])
-        rows = _rows(states, config, args.in_project, activity)
-        if args.json:
-            more = len(domains) - len(rows)
-            print(
-                _json(
-                    {
-                        "workers": workers,
-                        "domains": rows,
-                        "more": more,
-                        "unreadable": control.problems,
-                    }
-                )
-            )
-            control.problems.clear()
-            if args.watch is None:
-                return
-            sys.stdout.flush()
-            time.sleep(args.watch)
-            continue
-        live = f"{workers} worker{'' if workers == 1 else 's'} live"
-        table = f"{live}\n" + (_table(rows) if rows else "No active domain.")
-        if len(domains) > args.top:
-            table += f"\n... and {len(domains) - args.top} more (--top)"
-        # Under the table each time: a watch ends only with Ctrl-C.
-        table += "".join(f"\n{UNREADABLE_NOTE}{problem}" for problem in control.problems)
-        control.problems.clear()
-        if args.watch is None:
-            print(table)
-            return
-        # Clear the screen, then the table: a live view.
-        print(
-            f"\033[H\033[J{time.strftime('%H:%M:%S')}  {len(domains)} active\n{table}", flush=True
-        )
-        time.sleep(args.watch)
-
-
-def _rows(
-    states: list[DomainState],
-    config: ThrottleConfig,
-    in_project: bool,
-    activity: dict[str, FleetActivity],
-) -> list[dict[str, Any]]:
-    """Each domain's state, as ``status --json`` prints it (times in seconds, rates per second;
-    None: not known here)."""
-    rows = []
-    covers = config.scope.wildcards_cover_domains
-    for state in states:
-        fleet = activity.get(state.domain, FleetActivity(0, 0, 0))
-        code = config.limits.lookup(state.domain, covers) if in_project else None
-        limit = _effective(state, code)
-        shown = state.live or code
-        rows.append(
-            {
-                "domain": state.domain,
-                "limit": str(shown) if shown else None,
-                "set": "live" if state.live else _code_or_invalid(state, code),
-                "paused": bool(state.live and state.live.paused),
-                "rate": None if limit is None else limit.rate,
-                "burst": None if limit is None else limit.burst,
-                "tokens_left": (
-                    None if limit is None else max(0.0, limit.burst - state.full_in * limit.rate)
-                ),
-                "full_in": state.full_in,
-                "last_minute": fleet.went,
-                "achieved_rate": fleet.achieved_rate,
-                "waiting": fleet.waiting,
-                "penalty_pause": state.penalty_pause,
-                "strikes": state.strikes,
-                "adaptive_rate": state.adaptive_rate,
-            }
-        )
-    return rows
-
-
-def _code_or_invalid(state: DomainState, code: Limit | None) -> str | None:
-    """Where the limit in force comes from when none is set live: ``"invalid live"`` for a live
-    limit with a field that is no limit (the workers ignore that field)."""
-    if state.live_invalid:
-        return "invalid live"
-    return "code" if code else None
-
-
-def _table(rows: list[dict[str, Any]]) -> str:
-    header = (
-        "domain",
-        "limit",
-        "set",
-        "tokens left",
-        "full in",
-        "last minute",
-        "achieved",
-        "waiting",
-        "penalty pause",
-        "adaptive",
-    )
-    lines = [header]
-    for row in rows:
-        tokens, pause, adaptive = row["tokens_left"], row["penalty_pause"], row["adaptive_rate"]
-        lines.append(
-            (
-                row["domain"],
-                row["limit"] or "?",
-                row["set"] or "-",
-                "?" if tokens is None else f"{tokens:.1f}",
-                f"{row['full_in']:.1f} s",
-                str(row["last_minute"]),
-                format_rate(row["achieved_rate"]) if row["achieved_rate"] else "-",
-                str(row["waiting"]),
-                f"{pause:.1f} s (x{row['strikes']})" if pause else "-",
-                format_rate(adaptive) if adaptive else "-",
-            )
-        )
-    widths = [max(len(line[n]) for line in lines) for n in range(len(header))]
-    return "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
-        for line in lines
-    )
-
-
 def _export(control: LiveControl, args: argparse.Namespace) -> None:
     """Serve the fleet's state (see :class:`.fleet_exporter.FleetCollector`) until Ctrl-C."""
     from .fleet_exporter import FleetCollector
@@ -492,19 +362,6 @@ def _live(limit: LiveLimit) -> dict[str, Any]:
         "burst": limit.burst,
         "paused": limit.paused,
     }
-
-
-def _effective(state: DomainState, code: Limit | None) -> Limit | None:
-    """The limit the workers apply: the live one's fields over the code's."""
-    live = state.live
-    if live is None:
-        return code
-    rate = live.rate if live.rate is not None else (code.rate if code else None)
-    burst = live.burst if live.burst is not None else (code.burst if code else None)
-    if rate is None or burst is None:
-        return None
-    quotas = live.quotas if live.rate is not None else (code.quotas if code else ())
-    return Limit(rate, burst, format_rate(rate), quotas)
 
 
 if __name__ == "__main__":

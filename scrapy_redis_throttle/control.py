@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from .activity import RECENT
-from .rates import TOKEN_BUCKET, Quota, format_rate
+from .rates import TOKEN_BUCKET, Limit, Quota, format_rate
 from .redis_schema import (
     ALGORITHM_CODES,
     PENALTY_SUFFIX,
@@ -76,6 +76,16 @@ class LiveLimit:
             paused=paused == "1",
             quotas=tuple(map(_quota, quotas[0].split(","))) if quotas else (),
         )
+
+    def over(self, code: Limit | None) -> Limit | None:
+        """The limit the workers apply, this one's fields over *code*'s (their own; None: not
+        known here), as ``lua/token_bucket.lua`` merges them; None when a field is not known."""
+        rate = self.rate if self.rate is not None else (code.rate if code else None)
+        burst = self.burst if self.burst is not None else (code.burst if code else None)
+        if rate is None or burst is None:
+            return None
+        quotas = self.quotas if self.rate is not None else (code.quotas if code else ())
+        return Limit(rate, burst, format_rate(rate), quotas)
 
     def __str__(self) -> str:
         rate = "workers' rate" if self.rate is None else format_rate(self.rate)

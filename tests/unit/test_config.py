@@ -11,6 +11,7 @@ from scrapy.settings import Settings
 
 from scrapy_redis_throttle.config import Adaptive, Backoff, ThrottleConfig, needs_extra
 from scrapy_redis_throttle.connection import ClusterClient, connect
+from scrapy_redis_throttle.control import LiveLimit
 from scrapy_redis_throttle.errors import ThrottleConfigError
 from scrapy_redis_throttle.rates import (
     FIXED_WINDOW,
@@ -543,3 +544,23 @@ def test_a_project_keeps_both_layers_or_names_its_own_slot() -> None:
 def test_a_download_slot_without_its_entry_is_refused(slot: object, message: str) -> None:
     with pytest.raises(ThrottleConfigError, match=message):
         config(REDIS_THROTTLE_DOWNLOAD_SLOT=slot)
+
+
+@pytest.mark.parametrize(
+    ("live", "code", "applied"),
+    [
+        ("5 - 0", "1/s", (5.0, 1)),  # the live rate, the code's burst
+        ("- 3 0", "2/s", (2.0, 3)),  # the code's rate, the live burst
+        ("- 3 0", None, None),  # a rate no one here knows
+        ("4 2 1", None, (4.0, 2)),  # paused: the limit stays as set
+    ],
+)
+def test_a_live_limit_applies_its_fields_over_the_workers_own(
+    live: str, code: str | None, applied: tuple[float, int] | None
+) -> None:
+    """As lua/token_bucket.lua merges them, for `status`."""
+    parsed = LiveLimit.parse(live)
+    assert parsed is not None
+    own = None if code is None else parse_limit(code, default_burst=1, source="test")
+    limit = parsed.over(own)
+    assert (None if limit is None else (limit.rate, limit.burst)) == applied
