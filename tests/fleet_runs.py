@@ -187,6 +187,18 @@ def fetched(arrivals: list[Arrival]) -> Counter[str]:
     return Counter(a.path for a in arrivals if a.status == 200)
 
 
+def check_fetched_once(arrivals: list[Arrival], counts: dict[str, int]) -> None:
+    """Every page of *counts* (pages per host) answered 200 exactly once."""
+    paths = Counter((a.host, a.path) for a in arrivals if a.status == 200)
+    twice = {where: n for where, n in paths.items() if n > 1}
+    assert not twice, f"pages fetched more than once: {twice}"
+    for host, total in counts.items():
+        missing = {f"/page/{n}" for n in range(total)} - set(
+            fetched([a for a in arrivals if a.host == host])
+        )
+        assert not missing, f"{host}: never fetched: {sorted(missing)}"
+
+
 def refused(arrivals: list[Arrival]) -> int:
     return sum(a.status == 429 for a in arrivals)
 

@@ -31,6 +31,7 @@ from demo_site import DemoSite
 from fleet_runs import (
     Domain,
     check_ended_well,
+    check_fetched_once,
     fetched,
     fleet,
     fleet_jobs,
@@ -124,10 +125,4 @@ def test_a_worker_cut_off_alone_adds_nothing_to_what_the_fleet_sends(
     assert (quoted[0]["fallback/held"] or 0) > 0, f"worker 0 held nothing: {figures}"
     assert quoted[0]["fallback/local"] is None, f"worker 0 paced alone: {figures}"
     assert all(each["outages"] is None for each in quoted[1:]), f"others cut off: {figures}"
-    twice = {where: n for where, n in paths.items() if n > 1}
-    assert not twice, f"pages fetched more than once: {twice}"
-    for host, total in COUNTS.items():
-        missing = {f"/page/{n}" for n in range(total)} - set(
-            fetched([a for a in arrivals if a.host == host])
-        )
-        assert not missing, f"{host}: never fetched: {sorted(missing)}"
+    check_fetched_once(arrivals, COUNTS)

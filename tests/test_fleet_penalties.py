@@ -19,13 +19,13 @@ every worker closed by itself. Run it a few times in a row::
 from __future__ import annotations
 
 import time
-from collections import Counter
 
 import pytest
 from demo_site import HOSTS, DemoSite
 from fleet_runs import (
     Domain,
     check_ended_well,
+    check_fetched_once,
     fetched,
     fleet,
     fleet_jobs,
@@ -111,11 +111,4 @@ def test_a_hosts_pauses_end_with_its_requests_flowing_at_its_limit(
     assert after[0] >= ended, f"a request within the last pause: {figures}"
     refused_all = [a for a in arrivals if a.status == 429]
     assert len(refused_all) == len(PAUSES), refusals(arrivals)
-    paths = Counter((a.host, a.path) for a in arrivals if a.status == 200)
-    twice = {where: n for where, n in paths.items() if n > 1}
-    assert not twice, f"pages fetched more than once: {twice}"
-    for host, total in COUNTS.items():
-        missing = {f"/page/{n}" for n in range(total)} - set(
-            fetched([a for a in arrivals if a.host == host])
-        )
-        assert not missing, f"{host}: never fetched: {sorted(missing)}"
+    check_fetched_once(arrivals, COUNTS)

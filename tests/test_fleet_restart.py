@@ -37,6 +37,7 @@ from fleet_runs import (
     Domain,
     Ended,
     check_ended_well,
+    check_fetched_once,
     fetched,
     fleet,
     fleet_jobs,
@@ -254,12 +255,6 @@ def test_every_host_gets_its_rate_again_soon_after_the_throttles_redis_restarts_
         + "\n"
         + per_second(arrivals, restarted, -int(KILL_AT + REDIS_DOWN), int(last - restarted))
     )
-    twice = {where: n for where, n in paths.items() if n > 1}
-    assert not twice, f"pages fetched more than once: {twice}"
-    for host, count in PAGES.items():
-        missing = {f"/page/{n}" for n in range(count)} - set(
-            fetched([a for a in arrivals if a.host == host])
-        )
-        assert not missing, f"{host}: never fetched: {sorted(missing)}"
+    check_fetched_once(arrivals, PAGES)
     # Every worker ran through the restart, and read once that Redis lost its state.
     assert [each.get("redis_throttle/state_lost") for each in stats] == [1] * WORKERS

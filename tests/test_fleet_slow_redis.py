@@ -36,6 +36,7 @@ from fleet_runs import (
     Domain,
     Ended,
     check_ended_well,
+    check_fetched_once,
     fetched,
     fleet,
     fleet_jobs,
@@ -238,10 +239,4 @@ def test_a_fleet_keeps_every_budget_while_the_throttles_redis_is_slow(
         f"{refusals(arrivals)}\n{per_second(arrivals, spiked, -int(SPIKE_AT), last)}\n"
         + worker_stats(ends)
     )
-    twice = {where: n for where, n in paths.items() if n > 1}
-    assert not twice, f"pages fetched more than once: {twice}"
-    for host, total in COUNTS.items():
-        missing = {f"/page/{n}" for n in range(total)} - set(
-            fetched([a for a in arrivals if a.host == host])
-        )
-        assert not missing, f"{host}: never fetched: {sorted(missing)}"
+    check_fetched_once(arrivals, COUNTS)
