@@ -96,9 +96,8 @@ class Fallback:
         waits for Redis)."""
         policy = self._config.on_redis_error
         if policy == FALLBACK_LOCAL:
-            workers = self.workers()
             held = self._config.fallback_after - outage
-            if workers is not None and workers > 1 and held > 0:
+            if held > 0 and self._holds():
                 # This worker cannot tell an outage of its own (its network path cut, a call
                 # timed out on a loaded machine) from the fleet's. If it is alone, the others
                 # still draw each whole budget from Redis: paced alone, it would add its share
@@ -108,7 +107,7 @@ class Fallback:
                 return Grant(later(min(held, WAIT_FOR_REDIS)), shared=False)
             if (
                 self._config.fallback_workers is None
-                and workers is not None
+                and self.workers() is not None
                 and not self.local.seen(domain)
             ):
                 # This worker never saw the domain's bucket in Redis (or forgot it): it does not
@@ -234,12 +233,17 @@ class Fallback:
             return "requests go unthrottled until it is back"
         return "throttled requests wait until it is back"
 
-    def _held(self) -> str:
+    def _holds(self) -> bool:
+        """Whether, under ``"local"``, this worker holds its requests at the start of an outage
+        (see :meth:`decide`): it is one of a fleet, and REDIS_THROTTLE_FALLBACK_AFTER is on."""
         workers = self.workers()
-        after = self._config.fallback_after
-        if workers is None or workers < 2 or not after:
+        return workers is not None and workers > 1 and self._config.fallback_after > 0
+
+    def _held(self) -> str:
+        if not self._holds():
             return ""
         return (
-            f", from {after:g} s into the outage (REDIS_THROTTLE_FALLBACK_AFTER: it may be this "
-            f"worker's alone); meanwhile only the moments reserved in Redis go"
+            f", from {self._config.fallback_after:g} s into the outage "
+            f"(REDIS_THROTTLE_FALLBACK_AFTER: it may be this worker's alone); meanwhile only "
+            f"the moments reserved in Redis go"
         )

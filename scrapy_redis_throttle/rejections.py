@@ -31,8 +31,7 @@ class Once:
 
     def done(self, kind: str, key: str = "") -> bool:
         """Whether *key* of *kind* is not to be logged: it was, or the kind has all it may."""
-        logged = self._logged.get(kind, ())
-        return key in logged or len(logged) >= LOGGED_DOMAINS
+        return key in self._logged.get(kind, ()) or self.full(kind)
 
     def first(self, kind: str, key: str = "") -> bool:
         """Whether *key* of *kind* is to be logged now (then it is not again)."""
