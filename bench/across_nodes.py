@@ -103,7 +103,7 @@ async def check_costs(
         one = Worker(settings)
         bucket = one.bucket
         try:
-            await bucket.check()
+            await bucket.start()
             latencies = []
             before = script_calls(primaries)
             started = time.perf_counter()
@@ -170,7 +170,7 @@ async def contended(
 
     try:
         for each in workers:
-            await each.bucket.check()
+            await each.bucket.start()
         before = script_calls(primaries)
         await asyncio.gather(
             *(requests(each.bucket, n) for each in workers for n in range(CONCURRENT_CALLERS))

@@ -43,13 +43,13 @@ class AlternatingThrottleMiddleware(RedisThrottleMiddleware):
         if position == 0:
             self._starts.append((on, time.process_time(), time.perf_counter()))
         if self._metrics_only:
-            self.metrics.on = on
+            self.throttle.metrics.on = on
         elif not on:
             return None
         return await super().process_request(request)
 
     def _report(self, spider: Spider) -> None:
-        self.stats.set_value(
+        self.throttle.stats.set_value(
             "bench/chunks",
             [
                 [on, (cpu_end - cpu) / self._chunk * 1e6, self._chunk / (end - start)]

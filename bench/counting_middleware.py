@@ -24,13 +24,13 @@ _calls: ContextVar[list[int]] = ContextVar("calls")
 class CountingThrottleMiddleware(RedisThrottleMiddleware):
     def __init__(self, crawler: Crawler) -> None:
         super().__init__(crawler)
-        acquire = self.bucket.acquire
+        acquire = self.throttle.bucket.acquire
 
         async def counted(*args: Any, **kwargs: Any) -> Grant:
             _calls.get()[0] += 1
             return await acquire(*args, **kwargs)
 
-        self.bucket.acquire = counted  # type: ignore[method-assign]
+        self.throttle.bucket.acquire = counted  # type: ignore[method-assign]
 
     async def process_request(self, request: Request) -> Request | None:
         calls = [0]
@@ -46,5 +46,5 @@ class CountingThrottleMiddleware(RedisThrottleMiddleware):
 
     async def process_response(self, request: Request, response: Response) -> Response:
         calls = request.meta.get(CALLS_META, 0)
-        self.stats.inc_value(f"bench/redis_calls_per_request/{calls}")
+        self.throttle.stats.inc_value(f"bench/redis_calls_per_request/{calls}")
         return await super().process_response(request, response)

@@ -1,12 +1,13 @@
 """A per-domain rate limit in Redis, shared by every Scrapy / scrapy-redis worker that uses it."""
 
 from .addon import Addon
-from .bucket import AcquireResult, TokenBucket
+from .bucket import TokenBucket
 from .config import ThrottleConfig
 from .errors import InvalidThrottleDomain, InvalidThrottleMeta, ThrottleConfigError
 from .middleware import RedisThrottleMiddleware
 from .parking_scheduler import ParkingScheduler
 from .rates import Limit
+from .replies import AcquireResult
 from .scheduler import RedisThrottleScheduler, ThrottleScheduler
 
 __all__ = [

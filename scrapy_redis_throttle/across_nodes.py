@@ -27,21 +27,17 @@ import asyncio
 import dataclasses
 import math
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from redis.exceptions import RedisError
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+    from collections.abc import AsyncIterator, Iterable, Sequence
 
-    from .bucket import AcquireResult, Reservation
+    from .breaker import CircuitBreaker
     from .clock import Clock
     from .rates import Limit
-
-    # One bucket's call of token_bucket.lua: name, limit, cost, reserve, busy_until,
-    # not_before, alone.
-    AcquireOne = Callable[[str, Limit, float, float, float, int, bool], Awaitable[AcquireResult]]
-    Unreserve = Callable[[str, Sequence[Reservation]], Awaitable[object]]
+    from .replies import AcquireResult, Reservation
 
 # The script's reserve for a peek: below 0, it takes nothing and replies when.
 PEEK = -1.0
@@ -99,21 +95,32 @@ class NodeBudget(NamedTuple):
     """Another scope's: its bucket is read as in one call (see ``lua/token_bucket.lua``)."""
 
 
+class NodeCalls(Protocol):
+    """The calls of one bucket on its node (:class:`.OneNode`)."""
+
+    async def acquire(
+        self,
+        domain: str,
+        limit: Limit,
+        cost: float,
+        reserve: float,
+        busy_until: float,
+        not_before: int,
+        alone: bool = False,
+    ) -> AcquireResult: ...
+
+    async def unreserve(self, domain: str, reservations: Sequence[Reservation]) -> object: ...
+
+
 class AcrossNodes:
     """Decides for a request under several scopes whose buckets are on several nodes (see the
-    module's docs). *may_call* says whether Redis may be called (False: it failed meanwhile)."""
+    module's docs), each asked through *node*; no request calls Redis while *breaker* is open
+    (None: none is)."""
 
-    def __init__(
-        self,
-        acquire_one: AcquireOne,
-        unreserve: Unreserve,
-        may_call: Callable[[], bool],
-        clock: Clock,
-    ) -> None:
+    def __init__(self, node: NodeCalls, breaker: CircuitBreaker | None, clock: Clock) -> None:
         self._clock = clock
-        self._acquire_one = acquire_one
-        self._unreserve = unreserve
-        self._may_call = may_call
+        self._node = node
+        self._breaker = breaker
         self.locks = BudgetLocks()
 
     async def acquire(
@@ -139,7 +146,7 @@ class AcrossNodes:
         async with self.locks.of(budget.name for budget in budgets):
             # The requests that waited for a call that failed do not call the node again, each
             # in turn, for as long as a call takes to fail.
-            if not self._may_call():
+            if self._breaker is not None and self._breaker.open_for() is not None:
                 raise CallsStopped
             taken: list[tuple[str, AcquireResult]] = []
             try:
@@ -147,7 +154,7 @@ class AcrossNodes:
             except BaseException:
                 # Failed or cancelled half-way: what it reserved is given back (a call under
                 # way may have taken its tokens unseen: spent, the polite side).
-                await asyncio.shield(self._give_back(taken))
+                await asyncio.shield(self._unreserve_taken(taken))
                 raise
 
     async def _decide(
@@ -189,7 +196,7 @@ class AcrossNodes:
                 if len(taken) == len(budgets):
                     taken.clear()  # decided
                     return results[0]
-                await self._give_back(taken)
+                await self._unreserve_taken(taken)
                 taken.clear()
             paused = [result for result in results if result.paused]
             if paused:
@@ -209,16 +216,16 @@ class AcrossNodes:
     async def _call(
         self, budget: NodeBudget, cost: float, reserve: float, not_before: int
     ) -> AcquireResult:
-        return await self._acquire_one(
+        return await self._node.acquire(
             budget.name, budget.limit, cost, reserve, budget.busy_until, not_before, budget.alone
         )
 
-    async def _give_back(self, taken: list[tuple[str, AcquireResult]]) -> None:
+    async def _unreserve_taken(self, taken: list[tuple[str, AcquireResult]]) -> None:
         """Give back the moments *taken* reserved (taken now ones are spent: they cannot be
         told from the next request's). A failure leaves them spent too."""
         results = await asyncio.gather(
             *(
-                self._unreserve(name, [result.reservation])
+                self._node.unreserve(name, [result.reservation])
                 for name, result in taken
                 if result.reservation is not None
             ),

@@ -36,9 +36,9 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .config import STATS_PREFIX
 from .redis_schema import fleet_key, parked_counts_key, report_key
 from .scripts import lua_script
+from .stats import STATS_PREFIX
 from .tasks import cancel_and_wait
 
 if TYPE_CHECKING:

@@ -97,7 +97,7 @@ async def _as_redis_error(call: Awaitable[_T]) -> _T:
 
 def connect(config: ThrottleConfig) -> ThrottleRedis:
     """A client of the throttle's Redis: for the start-up PING and the pause listener
-    (:class:`.penalties.Pauses`), and the settings of the scripts' own connections (see
+    (:class:`.pauses.Pauses`), and the settings of the scripts' own connections (see
     :mod:`.scripts`). With Redis Sentinel, each connection asks the sentinels for the primary
     when it connects, so that it follows a failover. On a cluster, the scripts follow MOVED
     and ASK (resharding) and read the slots again after a failed call (a failover): see

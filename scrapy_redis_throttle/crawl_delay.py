@@ -20,12 +20,12 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from scrapy import signals
-from scrapy.downloadermiddlewares.robotstxt import RobotsTxtMiddleware
 from scrapy.utils.httpobj import urlparse_cached
 from twisted.internet.defer import Deferred
 
-from .config import STATS_PREFIX
 from .rates import Limit, normalize_domain
+from .scrapy_internals import robots_parsers
+from .stats import STATS_PREFIX
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -217,10 +217,9 @@ class CrawlDelays:
     def _robots_cache(self) -> dict[str, object] | None:
         """RobotsTxtMiddleware's robots.txt per netloc, from which a forgotten host is dropped
         (None where the robots.txt middleware is another's: then no host is forgotten)."""
-        for middleware in self._crawler.engine.downloader.middleware.middlewares:
-            parsers = getattr(middleware, "_parsers", None)
-            if isinstance(middleware, RobotsTxtMiddleware) and isinstance(parsers, dict):
-                return parsers
+        parsers = robots_parsers(self._crawler)
+        if parsers is not None:
+            return parsers
         logger.warning(
             "Redis throttle: found no RobotsTxtMiddleware; the Crawl-delays of more than %d "
             "hosts are all kept",

@@ -15,7 +15,6 @@ from scrapy.utils.httpobj import urlparse_cached
 from scrapy.utils.reactor import is_reactor_installed
 from twisted.internet.defer import Deferred
 
-from .config import STATS_PREFIX
 from .errors import InvalidThrottleDomain, InvalidThrottleMeta
 from .rates import normalize_domain
 from .scopes import (
@@ -28,6 +27,7 @@ from .scopes import (
     registrable_domain,
     shown,
 )
+from .stats import STATS_PREFIX
 
 if TYPE_CHECKING:
     from scrapy.statscollectors import StatsCollector

@@ -4,21 +4,22 @@ are attached to the scheduler the engine runs, whatever its class. With the add-
 With the middleware line alone, the engine built the project's scheduler before any public hook
 runs, and a ParkingScheduler's methods are bound on that instance.
 
-What is not public, this module alone reaches for, checked against Scrapy 2.14 to 2.19 and
-scrapy-redis 0.9.1 (``tox -e min``, ``py``, ``peers``, ``peers-min``):
+What it changes on live objects, checked against Scrapy 2.14 to 2.19 and scrapy-redis 0.9.1
+(``tox -e min``, ``py``, ``peers``, ``peers-min``):
 
-* ``engine._slot.scheduler`` before Scrapy 2.15 (``engine.scheduler`` from then on);
-* ``engine._slot.remove_request``, the engine's end of a request: a lease is acknowledged there;
 * with the middleware line alone, the scheduler's ``enqueue_request``, ``next_request``,
   ``has_pending_requests`` and ``close``, bound on its instance;
-* scrapy-redis's ``queue.pop``, wrapped on its instance for the leases.
+* scrapy-redis's ``queue.pop``, wrapped on its instance for the leases;
+* the engine's end of a request (see :func:`.on_request_done`): a lease is acknowledged there.
+
+What Scrapy and scrapy-redis do not make public is read through :mod:`.scrapy_internals`.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 from scrapy_redis.scheduler import Scheduler as ScrapyRedisScheduler
 
@@ -30,6 +31,7 @@ from .parking_scheduler import PARKING_METHODS, ParkingScheduler, composes_parki
 from .parking_stores import MemoryParking
 from .redis_parking import RedisParking
 from .redis_schema import leases_key, lessees_key, moments_key, parking_key
+from .scrapy_internals import engine_scheduler, on_request_done
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -73,7 +75,14 @@ def attach_parking(
         return None
     try:
         return attach(
-            crawler, config, scheduler, rejections, clock, bucket.unreserve, bucket.seals, metrics
+            crawler,
+            config,
+            scheduler,
+            rejections,
+            clock,
+            bucket.unreserve,
+            bucket.lost_state.seals,
+            metrics,
         )
     except Exception:
         # Without parking the throttle still works: the rest of the start must happen.
@@ -84,16 +93,6 @@ def attach_parking(
             extra=extra,
         )
         return None
-
-
-def engine_scheduler(crawler: Crawler) -> BaseScheduler | None:
-    """The scheduler the engine runs (``engine.scheduler`` is public from Scrapy 2.15 on)."""
-    engine = crawler.engine
-    scheduler = getattr(engine, "scheduler", None)
-    if scheduler is None:
-        slot = getattr(engine, "_slot", None)
-        scheduler = getattr(slot, "scheduler", None)
-    return scheduler
 
 
 def attach(
@@ -179,33 +178,21 @@ def _leases(
     queue's ``pop`` and the engine's end of a request are wrapped on their instances."""
     queue = scheduler.queue
     kind = queue_kind(queue)
-    slot: Any = getattr(crawler.engine, "_slot", None)
-    if kind is None or not callable(getattr(slot, "remove_request", None)):
+    leases = (
+        None
+        if kind is None
+        else Leases(scheduler.server, redis, queue, kind, parking, crawler.stats, ttl, clock)
+    )
+    if leases is None or not on_request_done(crawler, leases.acknowledge):
         logger.warning(
             "Redis throttle: no leases on the requests of %s (a queue class of scrapy-redis, "
             "and Scrapy's engine, are needed): a worker that dies loses those it took",
             type(queue).__name__,
         )
         return None
-    leases = Leases(scheduler.server, redis, queue, kind, parking, crawler.stats, ttl, clock)
     queue.pop = functools.partial(leases.pop, queue.pop)
-    remove_request = slot.remove_request
-
-    def done(request: Request) -> None:
-        leases.acknowledge(request)
-        remove_request(request)
-
-    slot.remove_request = done
     leases.start()
     return leases
-
-
-def engine_closing(crawler: Crawler) -> bool:
-    """Whether the engine closes the spider. Scrapy sends no signal for it (``spider_closed``
-    comes once the requests in the downloader are done): its slot's ``closing``, private, read
-    guarded (False without it)."""
-    slot = getattr(crawler.engine, "_slot", None)
-    return getattr(slot, "closing", None) is not None
 
 
 def bind_parking(scheduler: BaseScheduler) -> ParkingScheduler:

@@ -16,13 +16,15 @@ Once Redis is back, under ``"local"``, requests keep to this worker's share for 
 
 from __future__ import annotations
 
+import enum
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .bucket import AcquireResult
-from .config import FALLBACK_LOCAL, FALLBACK_OPEN, STATS_PREFIX
+from .config import FALLBACK_LOCAL, FALLBACK_OPEN
 from .local_buckets import LocalBuckets
+from .replies import AcquireResult
+from .stats import STATS_PREFIX
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     from .budgets import Budget
     from .clock import Clock
     from .config import ThrottleConfig
+    from .fleet import Fleet
     from .rates import Limit
 
 logger = logging.getLogger(__name__)
@@ -48,7 +51,25 @@ WAIT_FOR_REDIS = 5.0
 
 def later(seconds: float) -> AcquireResult:
     """Nothing reserved: ask again in *seconds* (held or parked meanwhile)."""
-    return AcquireResult(False, False, 0.0, seconds, 0.0, paused=True)
+    return AcquireResult(
+        allowed=False, reserved=False, tokens_left=0.0, retry_after=seconds, reset_after=0.0
+    )
+
+
+class Source(enum.Enum):
+    """Who decided a request's turn."""
+
+    REDIS = "redis"
+    """The shared bucket in Redis."""
+    ALONE = "alone"
+    """This worker alone, at its share (``"local"`` policy, or a call the script refused)."""
+    HANDOVER = "handover"
+    """This worker's share, just after an outage (see :meth:`Fallback.handover_wait`): it asks
+    Redis again once its share allows it."""
+    WAIT = "wait"
+    """Nobody: it waits for Redis (held at an outage's start, no share known, ``"wait"``)."""
+    OPEN = "open"
+    """The ``"open"`` policy, unthrottled."""
 
 
 @dataclass(frozen=True)
@@ -56,18 +77,24 @@ class Grant:
     """The answer to one acquire, and who gave it."""
 
     result: AcquireResult
-    shared: bool
-    """Decided by Redis (else by the fallback policy)."""
+    source: Source
     waited_for_redis: bool = False
-    handover: bool = False
-    """A wait for this worker's share right after an outage (see
-    :meth:`Fallback.handover_wait`)."""
-    unthrottled: bool = False
-    """Let go by the ``"open"`` policy, unthrottled."""
+    """Redis decided, after the request waited for it to answer again."""
+
+    @property
+    def shared(self) -> bool:
+        """Decided by Redis, for the fleet."""
+        return self.source is Source.REDIS
+
+    @property
+    def asks_again(self) -> bool:
+        """It reserved nothing and asks again in ``result.retry_after`` seconds: its domain is
+        paused live, or it waits for Redis or for this worker's share."""
+        return self.result.paused or self.source in (Source.WAIT, Source.HANDOVER)
 
 
 class Fallback:
-    """The fallback policy of *config*, for a worker in a fleet of *fleet_size* workers."""
+    """The fallback policy of *config*, for a worker of *fleet* (None: it knows no fleet)."""
 
     def __init__(
         self,
@@ -75,13 +102,13 @@ class Fallback:
         stats: StatsCollector,
         log_extra: Callable[[], dict[str, Any]],
         clock: Clock,
-        fleet_size: Callable[[], int | None],
+        fleet: Fleet | None,
     ) -> None:
         self._config = config
         self._stats = stats
         self._log_extra = log_extra
         self._clock = clock
-        self._fleet_size = fleet_size
+        self._fleet = fleet
         self.local = LocalBuckets(clock)
         """This worker's pace alone, following Redis's while it answers."""
         # Until then (monotonic time), after an outage, requests also keep to this worker's
@@ -104,7 +131,7 @@ class Fallback:
                 # on top. Only the moments it reserved there go, until the outage has lasted
                 # long enough to be the fleet's too.
                 self._stats.inc_value(f"{STATS_PREFIX}/fallback/held")
-                return Grant(later(min(held, WAIT_FOR_REDIS)), shared=False)
+                return Grant(later(min(held, WAIT_FOR_REDIS)), Source.WAIT)
             if (
                 self._config.fallback_workers is None
                 and self.workers() is not None
@@ -115,11 +142,11 @@ class Fallback:
                 # nothing: it asks again later (WAIT_FOR_REDIS). With
                 # REDIS_THROTTLE_FALLBACK_WORKERS, the project chose to pace alone anyway.
                 self._stats.inc_value(f"{STATS_PREFIX}/fallback/unseen_domain")
-                return Grant(later(WAIT_FOR_REDIS), shared=False)
+                return Grant(later(WAIT_FOR_REDIS), Source.WAIT)
             return self.paced_alone(domain, limit, cost, others)
         if policy == FALLBACK_OPEN:
             self._stats.inc_value(f"{STATS_PREFIX}/fallback/open")
-            return Grant(_ALLOWED, shared=False, unthrottled=True)
+            return Grant(_ALLOWED, Source.OPEN)
         return None
 
     def paced_alone(
@@ -133,11 +160,11 @@ class Fallback:
             result = self.local.acquire(
                 domain, limit, cost, self._config.max_reserve, workers, others
             )
-            return Grant(result, shared=False)
+            return Grant(result, Source.ALONE)
         # The fleet's size is not known, nor this worker's share: it sends nothing until Redis
         # answers, and asks again later (WAIT_FOR_REDIS).
         self._stats.inc_value(f"{STATS_PREFIX}/fallback/unknown_fleet")
-        return Grant(later(WAIT_FOR_REDIS), shared=False)
+        return Grant(later(WAIT_FOR_REDIS), Source.WAIT)
 
     def handover_wait(
         self, domain: str, limit: Limit, cost: float, others: Sequence[Budget]
@@ -232,6 +259,9 @@ class Fallback:
         if policy == FALLBACK_OPEN:
             return "requests go unthrottled until it is back"
         return "throttled requests wait until it is back"
+
+    def _fleet_size(self) -> int | None:
+        return None if self._fleet is None else self._fleet.fleet_size
 
     def _holds(self) -> bool:
         """Whether, under ``"local"``, this worker holds its requests at the start of an outage

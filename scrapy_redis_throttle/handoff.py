@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 from weakref import WeakKeyDictionary, WeakSet
 
-from .config import STATS_PREFIX
+from .stats import STATS_PREFIX
 from .tickets import OTHERS_META
 
 # Requests given back at one look, at most.

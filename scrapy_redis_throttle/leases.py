@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 from redis.exceptions import RedisError
 from scrapy_redis.queue import FifoQueue, LifoQueue, PriorityQueue
 
-from .config import STATS_PREFIX
 from .redis_schema import leases_key, lessees_key
 from .scripts import load_script, lua_script
+from .stats import STATS_PREFIX
 from .tasks import cancel_and_wait
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .bucket import AcquireResult
+from .replies import AcquireResult
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence

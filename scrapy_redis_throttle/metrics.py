@@ -17,8 +17,15 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .stats import redis_errors
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Mapping
+
+    from scrapy.statscollectors import StatsCollector
+
+    from .breaker import CircuitBreaker
+    from .fleet import Fleet
 
 # A request's result, the ``result`` label of scrapy_redis_throttle_requests_total.
 ACQUIRED = "acquired"
@@ -173,12 +180,13 @@ class Snapshot:
 
 @dataclass(frozen=True)
 class WorkerState:
-    """What the metrics read of the worker at each snapshot."""
+    """What the metrics read of the worker at each snapshot (None: nothing to read)."""
 
-    fallback_active: Callable[[], bool] = lambda: False
-    fleet_workers: Callable[[], int | None] = lambda: None
-    redis_errors: Callable[[], dict[str, int]] = dict
-    """Failed Redis calls by redis-py exception name (kept in the stats)."""
+    breaker: CircuitBreaker | None = None
+    """Open while Redis fails: the fallback policy decides."""
+    fleet: Fleet | None = None
+    stats: StatsCollector | None = None
+    """Where the failed Redis calls are counted."""
 
 
 class ThrottleMetrics:
@@ -270,9 +278,9 @@ class ThrottleMetrics:
             {label: series.copy() for label, series in list(self._series.items())},
             waiting,
             dict(self._rates),
-            worker.redis_errors(),
-            worker.fallback_active(),
-            worker.fleet_workers(),
+            {} if worker.stats is None else redis_errors(worker.stats),
+            worker.breaker is not None and worker.breaker.open_for() is not None,
+            None if worker.fleet is None else worker.fleet.fleet_size,
         )
 
     def _count(self, domain: str, result: str, count: int = 1) -> str:

@@ -5,7 +5,7 @@ spider's opening to its close."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .metrics import OTHER, RESULTS, WAIT_BUCKETS
 
@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
     from prometheus_client.registry import Collector
 
+    from .config import MetricsSettings
     from .metrics import Snapshot
 
 logger = logging.getLogger(__name__)
@@ -135,3 +136,35 @@ class MetricsEndpoint:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join()
+
+
+def serve(
+    settings: MetricsSettings,
+    snapshot: Callable[[], Snapshot],
+    log_extra: Callable[[], dict[str, Any]],
+) -> MetricsEndpoint | None:
+    """Start the ``/metrics`` endpoint of *snapshot*, if ``REDIS_THROTTLE_METRICS_PORT`` is set
+    (None: it is not); without a free port the crawl goes on without it (an ERROR says so)."""
+    if settings.ports is None:
+        return None
+    try:
+        endpoint = MetricsEndpoint.start(WorkerCollector(snapshot), settings.host, settings.ports)
+    except OSError as error:
+        low, high = settings.ports
+        logger.error(
+            "Redis throttle: no metrics endpoint: REDIS_THROTTLE_METRICS_PORT %(ports)s has "
+            "no free port on %(host)r (%(error)s)",
+            {
+                "ports": low if low == high else f"{low}-{high}",
+                "host": settings.host,
+                "error": error,
+            },
+            extra=log_extra(),
+        )
+        return None
+    logger.info(
+        "Redis throttle: metrics at http://%(host)s:%(port)d/metrics",
+        {"host": endpoint.host, "port": endpoint.port},
+        extra=log_extra(),
+    )
+    return endpoint

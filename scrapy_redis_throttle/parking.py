@@ -19,7 +19,7 @@ requests that came out of the scheduler are parked: those the engine downloads d
 * With any other scheduler, they wait in this process; at the close they go into the scheduler's
   own queue when it keeps it on disk (``JOBDIR``), and are dropped (and counted) otherwise.
 
-A voiding of a domain's reserved moments (see :class:`.penalties.Pauses`) reaches the
+A voiding of a domain's reserved moments (see :class:`.pauses.Pauses`) reaches the
 requests parked with them at once (:meth:`ParkingArea.void`): they come back to ask again,
 as held ones wake to, not at their old moments. Both stores index reserved moments by domain.
 """
@@ -35,14 +35,14 @@ from typing import TYPE_CHECKING
 from redis.exceptions import RedisError
 
 from .clock import sleep_or_wake
-from .config import STATS_PREFIX
 from .handoff import Handoff
 from .leases import LEASE_META, Leases
 from .metrics import OTHER
-from .penalties import Pause
+from .pauses import Pause
 from .redis_parking import ParkUncertain
 from .rejections import Once
 from .request_codec import Unparkable
+from .stats import STATS_PREFIX
 from .tickets import TICKET_META, Ticket, Unused, unused_reservation
 
 if TYPE_CHECKING:
@@ -52,10 +52,10 @@ if TYPE_CHECKING:
     from scrapy.crawler import Crawler
     from scrapy.statscollectors import StatsCollector
 
-    from .bucket import Reservation, Unreserved
     from .clock import Clock
     from .metrics import ThrottleMetrics
     from .parking_stores import ParkingStore
+    from .replies import Reservation, Unreserved
 
     Unreserve = Callable[[str, list[Reservation]], Awaitable[Unreserved | None]]
     """Gives a domain's bucket back reservations (:meth:`.ResilientBucket.unreserve`):

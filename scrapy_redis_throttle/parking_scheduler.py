@@ -19,6 +19,7 @@ from scrapy.utils.misc import build_from_crawler
 
 from .config import inner_scheduler
 from .leases import LEASE_META
+from .scrapy_internals import waits_when_idle, without_idle_wait
 
 if TYPE_CHECKING:
     from scrapy import Request, Spider
@@ -101,14 +102,12 @@ class ParkingScheduler(BaseScheduler):
         # may idle. While requests download, wait in the throttle or are parked, the spider
         # cannot idle anyway, and the block would only delay them (held requests wake late,
         # parked ones come back late: their moments are missed).
-        idle_before_close = getattr(self.inner, "idle_before_close", None)
-        if not (idle_before_close and (area.handoff.busy() or area.has_pending_requests())):
+        if not (
+            waits_when_idle(self.inner) and (area.handoff.busy() or area.has_pending_requests())
+        ):
             return area.handoff.next_request(self._next)
-        self.inner.idle_before_close = 0  # type: ignore[attr-defined]
-        try:
+        with without_idle_wait(self.inner):
             return area.handoff.next_request(self._next)
-        finally:
-            self.inner.idle_before_close = idle_before_close  # type: ignore[attr-defined]
 
     def has_pending_requests(self) -> bool:
         area = self._area

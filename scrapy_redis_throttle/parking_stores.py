@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from scrapy import Request
 
     from .clock import Clock
-    from .penalties import Pause
+    from .pauses import Pause
 
 
 class Closed(NamedTuple):

@@ -1,6 +1,6 @@
 """What the fleet does when a site pushes back: a response whose status is one of
 ``REDIS_THROTTLE_PENALTY_HTTP_CODES`` (429, 503) pauses its domain for every worker (see
-:mod:`.penalties`), and, with the adaptive rate on, lowers its rate for the fleet, as a download
+:mod:`.pauses`), and, with the adaptive rate on, lowers its rate for the fleet, as a download
 timeout does."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from scrapy.utils.httpobj import urlparse_cached
 from twisted.internet.error import TCPTimedOutError
 from twisted.internet.error import TimeoutError as TwistedTimeoutError
 
-from .config import STATS_PREFIX
 from .metrics import RETRY_AFTER
-from .penalties import parse_retry_after
+from .pauses import parse_retry_after
 from .rates import format_rate
+from .stats import STATS_PREFIX
 from .waiting import SENT_META
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from .clock import Clock
     from .config import ThrottleConfig
     from .metrics import ThrottleMetrics
-    from .penalties import Pauses
+    from .pauses import Pauses
     from .rates import Limit
     from .rejections import Rejections
     from .resilience import ResilientBucket

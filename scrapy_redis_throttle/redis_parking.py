@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, cast
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .config import STATS_PREFIX
 from .leases import LEASE_META
 from .parking_stores import Closed, Parked
 from .redis_schema import moments_key
@@ -22,6 +21,7 @@ from .request_codec import decode_request, encode_request
 from .scripts import lua_script
 from .seals import Seals
 from .server_clock import ServerClock
+from .stats import STATS_PREFIX
 from .tickets import TICKET_META, Ticket, Unused, sealed_message, unused_reservation
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from .clock import Clock
     from .leases import Leases
-    from .penalties import Pause
+    from .pauses import Pause
     from .rejections import Rejections
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from .config import STATS_PREFIX
+from .stats import STATS_PREFIX
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -8,7 +8,7 @@ The secret also tells whether that Redis kept the throttle's state: a Redis that
 lost it with the buckets, and the next worker to read it makes a new one. A moment reserved
 before is then no longer known to its bucket, which may give it to another request: a worker
 that reads a new secret takes every moment reserved before as lost (see
-:meth:`.ResilientBucket.check_state`), and a ticket sealed with the secret before is one of
+:meth:`.ResilientBucket.read_state`), and a ticket sealed with the secret before is one of
 them, not a forgery."""
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from .config import CrawlSettings
+    from .fleet import Fleet
     from .rates import Limit
 
 logger = logging.getLogger(__name__)
@@ -27,16 +28,16 @@ logger = logging.getLogger(__name__)
 
 class SlotCaps:
     """Warns once per domain whose budget *crawl*'s slot settings hold the fleet (of
-    *fleet_size* workers, this one if unknown) below."""
+    *fleet*'s workers, this one if unknown) below."""
 
     def __init__(
         self,
         crawl: CrawlSettings,
-        fleet_size: Callable[[], int | None],
+        fleet: Fleet,
         log_extra: Callable[[], dict[str, Any]],
     ) -> None:
         self._crawl = crawl
-        self._fleet_size = fleet_size
+        self._fleet = fleet
         self._log_extra = log_extra
         self._once = Once()
 
@@ -45,7 +46,7 @@ class SlotCaps:
         having taken *latency* seconds (None: not known)."""
         if self._once.done("slot_cap", domain):
             return
-        workers = self._fleet_size() or 1
+        workers = self._fleet.fleet_size or 1
         cap = self._cap(workers, latency)
         if cap is None or cap[0] >= limit.sustained_rate:
             return

@@ -5,19 +5,21 @@ the start-up's objects frozen out of the garbage collector (see :mod:`.gc_freeze
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from .config import STATS_PREFIX
 from .gc_freeze import freeze_startup_objects
 from .rates import format_rate
 from .redis_parking import RedisParking
 from .scopes import HOST, IP, PROXY, REGISTRABLE_DOMAIN
+from .stats import STATS_PREFIX
 
 if TYPE_CHECKING:
-    from scrapy import Spider
+    from scrapy.statscollectors import StatsCollector
 
     from .config import ThrottleConfig
-    from .middleware import RedisThrottleMiddleware
+    from .crawl_delay import CrawlDelays
+    from .fallback import Fallback
+    from .parking import ParkingArea
 
 logger = logging.getLogger(__name__)
 
@@ -29,28 +31,41 @@ _SCOPES = {
 }
 
 
-def announce(middleware: RedisThrottleMiddleware, spider: Spider) -> None:
-    """Log the start-up's lines and warnings, then freeze the start-up's objects (last, once
-    the whole crawler is built: its objects are frozen too), with REDIS_THROTTLE_GC_FREEZE."""
-    for line in describe_setup(middleware):
-        logger.info("Redis throttle: %s", line, extra={"spider": spider})
-    for warning in setup_warnings(middleware.config):
-        logger.warning("Redis throttle: %s", warning, extra={"spider": spider})
-    frozen = freeze_startup_objects() if middleware.config.gc_freeze else 0
+def announce(
+    config: ThrottleConfig,
+    stats: StatsCollector,
+    parking: ParkingArea | None,
+    fallback: Fallback,
+    crawl_delays: CrawlDelays,
+    extra: dict[str, Any],
+) -> None:
+    """Log the start-up's lines and warnings (see :func:`describe_setup`), then freeze the
+    start-up's objects (last, once the whole crawler is built: its objects are frozen too),
+    with REDIS_THROTTLE_GC_FREEZE."""
+    for line in describe_setup(config, parking, fallback, crawl_delays):
+        logger.info("Redis throttle: %s", line, extra=extra)
+    for warning in setup_warnings(config):
+        logger.warning("Redis throttle: %s", warning, extra=extra)
+    frozen = freeze_startup_objects() if config.gc_freeze else 0
     if frozen:
-        middleware.stats.set_value(f"{STATS_PREFIX}/gc_frozen_objects", frozen)
+        stats.set_value(f"{STATS_PREFIX}/gc_frozen_objects", frozen)
         logger.debug(
             "Redis throttle: %(frozen)d objects of the start-up frozen out of the garbage "
             "collector (REDIS_THROTTLE_GC_FREEZE)",
             {"frozen": frozen},
-            extra={"spider": spider},
+            extra=extra,
         )
 
 
-def describe_setup(middleware: RedisThrottleMiddleware) -> list[str]:
-    """The log lines of the start-up, the first one saying what this set-up will do."""
-    config = middleware.config
-    parking = middleware.parking
+def describe_setup(
+    config: ThrottleConfig,
+    parking: ParkingArea | None,
+    fallback: Fallback,
+    crawl_delays: CrawlDelays,
+) -> list[str]:
+    """The log lines of the start-up, the first one saying what this set-up will do (waiting
+    requests are held in *parking*, else in the downloader; *fallback* says what happens while
+    Redis fails)."""
     if parking is None:
         waiting = "waiting requests are held in the downloader"
     elif isinstance(parking.store, RedisParking):
@@ -70,13 +85,13 @@ def describe_setup(middleware: RedisThrottleMiddleware) -> list[str]:
         + f", REDIS_THROTTLE_SCOPE) shared in {config.redis_location} (key prefix "
         f"{config.key_prefix!r}); {waiting}; "
         + (f"a {codes} pauses its domain for every worker; " if codes else "")
-        + f"if Redis fails, {middleware.bucket.fallback.describe()}",
+        + f"if Redis fails, {fallback.describe()}",
         "limits:\n  " + "\n  ".join(config.limits.describe()),
     ]
     slot = _slot_line(config)
     if slot is not None:
         lines.append(slot)
-    crawl_delay = middleware.crawl_delays.describe()
+    crawl_delay = crawl_delays.describe()
     if crawl_delay is not None:
         lines.append(crawl_delay)
     adaptive = config.adaptive

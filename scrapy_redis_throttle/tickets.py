@@ -10,8 +10,8 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .bucket import Reservation
 from .redis_schema import MAX_MOMENT_US
+from .replies import Reservation
 
 if TYPE_CHECKING:
     from .server_clock import ServerClock
@@ -30,7 +30,7 @@ MOMENT_AGREES = 0.25
 _PROCESS = uuid.uuid4().hex
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Ticket:
     """What the throttle and the parking area tell each other of a request: from the throttle,
     in its meta (:data:`TICKET_META`), "park it until *due*"; from the parking area, beside it
@@ -46,7 +46,7 @@ class Ticket:
     """...in this process's own buckets (Redis was failing), not in Redis."""
     reserved_at: float
     """Wall time when its tokens were asked for: a pause heard of after
-    it voids the reservation (see :class:`.penalties.Pauses`)."""
+    it voids the reservation (see :class:`.pauses.Pauses`)."""
     waiting_since: float
     """Wall time when the throttle first saw the request: its wait counts from then
     (``redis_throttle/wait_time_*``), parked or not."""
@@ -106,17 +106,25 @@ class Ticket:
             # Moments reserved in another process's own buckets hold nothing here.
             reserved = reserved and sealed and not (locally and elsewhere)
             return cls(
-                domain,
-                due,
-                reserved,
-                locally,
-                float(reserved_at),
-                float(waiting_since),
-                elsewhere,
-                None if moment_us is None else float(moment_us),
-                _reservation(value[6]) if reserved and len(value) == 8 else None,
+                domain=domain,
+                due=due,
+                reserved=reserved,
+                locally=locally,
+                reserved_at=float(reserved_at),
+                waiting_since=float(waiting_since),
+                elsewhere=elsewhere,
+                moment_us=None if moment_us is None else float(moment_us),
+                reservation=_reservation(value[6]) if reserved and len(value) == 8 else None,
             )
-        return cls(domain, due, False, False, now, now, elsewhere=True)
+        return cls(
+            domain=domain,
+            due=due,
+            reserved=False,
+            locally=False,
+            reserved_at=now,
+            waiting_since=now,
+            elsewhere=True,
+        )
 
 
 def unused_reservation(ticket: Ticket) -> Unused | None:

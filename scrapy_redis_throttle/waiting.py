@@ -1,46 +1,43 @@
 """A request's turn: ask the shared bucket, then go now, wait a little in the middleware, or be
-parked until its moment (a :class:`~.parking.Ticket` for the parking area)."""
+parked until its moment (a :class:`~.tickets.Ticket` for the parking area)."""
 
 from __future__ import annotations
 
-import enum
+import functools
 import logging
 import random
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from scrapy.exceptions import IgnoreRequest
+from scrapy.utils.httpobj import urlparse_cached
 
-from .config import FALLBACK_WAIT, STATS_PREFIX
+from .fallback import Source
 from .metrics import ACQUIRED, PAUSED_LIVE, UNTHROTTLED
+from .moments import Moments
 from .parking import RELEASE_AHEAD
-from .tickets import Ticket
+from .stats import STATS_PREFIX
+from .tickets import OTHERS_META, Ticket
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable
 
     from scrapy import Request
     from scrapy.statscollectors import StatsCollector
 
     from .activity import Activity
-    from .bucket import Reservation, Voiding
-    from .budgets import Budget, RequestBudget
+    from .budgets import RequestBudget
     from .clock import Clock
     from .config import ThrottleConfig
     from .fallback import Grant
     from .metrics import ThrottleMetrics
-    from .penalties import Pauses
+    from .moments import SharedBucket
+    from .pauses import Pauses
     from .rates import Limit
-    from .server_clock import ServerClock
+    from .replies import Reservation
 
 logger = logging.getLogger(__name__)
 
-# A request that cannot go within this long after its reserved moment (given back late by the
-# parking area, woken late by a busy process, or whose answer was read late, even one that let
-# it go at once) asks for a new one: going that late would squeeze it against the requests of
-# the moments after its own, at the site.
-MISSED_AFTER = 0.05
-# A timer may fire this early (the loop's clock resolution): the moment has come.
-MOMENT_SLACK = 0.001
 # When the request left for the download (loop time), for the adaptive rate.
 SENT_META = "_redis_throttle_sent_at"
 
@@ -51,34 +48,17 @@ class DroppedAtClose(IgnoreRequest):
     it back to the queue)."""
 
 
-class Went(enum.Enum):
-    """A request's turn came, and it left for the download."""
+class Lender(Protocol):
+    """What lends a robots.txt request the moment of a request waiting for it
+    (:class:`.Handoff`)."""
 
-    WENT = "went"
-
-
-WENT = Went.WENT
-
-
-class SharedBucket(Protocol):
-    """What a request's turn asks of the shared bucket (:class:`.ResilientBucket`)."""
-
-    async def acquire(
-        self, domain: str, limit: Limit, cost: float, others: Sequence[Budget] = ()
-    ) -> Grant: ...
-
-    def server_clock(self, domain: str) -> ServerClock: ...
-
-    async def last_voiding(
-        self, domain: str, listening: bool = False
-    ) -> tuple[bool, Voiding | None]: ...
-
-    def lost(self, reserved_at: float, elsewhere: bool = False) -> bool: ...
+    def lend(self, domain: str) -> Ticket | None: ...
 
 
 class Turns:
-    """Decides when each throttled request goes. Waits longer than ``max_hold`` are parked,
-    for the requests that may be (see :meth:`.ParkingArea.handed_out`)."""
+    """Decides when each throttled request goes: now, after a wait in the middleware, or, for a
+    wait over ``max_hold``, parked (for the requests that may be, see :meth:`.Handoff.handed_out`).
+    """
 
     def __init__(
         self,
@@ -99,21 +79,19 @@ class Turns:
         self._stats = stats
         self._metrics = metrics
         self._log_extra = log_extra
+        self._moments = Moments(config, bucket, pauses, stats, log_extra, clock)
+        self.handoff: Lender | None = None
+        """The parking area's, once it is attached at the spider's open (None: none)."""
         self.closing = False
         """The spider closes: a request that would wait again is parked, or dropped."""
 
     async def take(
-        self,
-        request: Request,
-        budget: RequestBudget,
-        ticket: Ticket | None,
-        may_park: bool,
-        lend: Callable[[], Ticket | None] | None = None,
-    ) -> Ticket | Went:
-        """Wait until *request*, drawing on *budget*, may go (:data:`WENT`), or return the
-        ticket to park it with (only if it *may_park*). *ticket*: the request is back from the
-        parking area with it, or was lent one; *lend*: lends it another when it misses that
-        one's moment (see :meth:`.Handoff.lend`)."""
+        self, request: Request, budget: RequestBudget, ticket: Ticket | None, may_park: bool
+    ) -> Ticket | None:
+        """Wait until *request*, drawing on *budget*, may go (None), or return the ticket to
+        park it with (only if it *may_park*). *ticket*: it is back from the parking area with
+        it (see :meth:`.Handoff.handed_out`)."""
+        ticket, lend = self._handed(request, budget, ticket)
         domain, limit, others = budget.domain, budget.limit, budget.others
         with self._activity.holding(domain), self._metrics.holding(domain):
             stats = self._stats
@@ -123,7 +101,7 @@ class Turns:
             # Back from the parking area with its tokens reserved: it goes at its moment.
             delayed = ticket is not None
             while ticket is not None and ticket.reserved:
-                if await self._hold_until(
+                if await self._moments.hold_until(
                     domain,
                     ticket.moment(self._bucket.server_clock(domain)),
                     ticket.moment_us,
@@ -133,7 +111,7 @@ class Turns:
                     ticket.reservation,
                 ):
                     self._went(request, budget, since, True, ticket.reservation)
-                    return WENT
+                    return None
                 ticket = None if lend is None else lend()
             while True:
                 asked_at = self._clock.wall()
@@ -156,41 +134,24 @@ class Turns:
                     await self._clock.sleep(paused)
                     continue
                 if result.allowed:
-                    if self._missed(domain, decided):
+                    if self._moments.missed(domain, decided):
                         # Read too late to go now (see MISSED_AFTER): its token is spent.
                         delayed = True
                         continue
-                    self._went(request, budget, since, delayed, None, grant.unthrottled)
-                    return WENT
-                if result.paused and grant.shared:
+                    unthrottled = grant.source is Source.OPEN
+                    self._went(request, budget, since, delayed, None, unthrottled)
+                    return None
+                if result.paused:
                     stats.inc_value(f"{STATS_PREFIX}/paused_live")
                     self._metrics.paused(domain, PAUSED_LIVE)
                 if may_park and result.retry_after > self._config.max_hold:
                     return self._park(request, domain, limit, grant, asked_at, since)
-                if grant.handover:
-                    why = ", keeping to this worker's share just after an outage"
-                elif result.paused:
-                    why = ", paused live" if grant.shared else ", until Redis answers"
-                else:
-                    why = "" if grant.shared else ", paced locally while Redis fails"
-                logger.debug(
-                    "Redis throttle: %(request)s waits %(delay).3f s for %(domain)r "
-                    "(%(limit)s)%(others)s%(why)s",
-                    {
-                        "request": request,
-                        "delay": result.retry_after,
-                        "domain": domain,
-                        "limit": limit,
-                        "others": "".join(f" and {name!r} ({each})" for name, each in others),
-                        "why": why,
-                    },
-                    extra=self._log_extra(),
-                )
+                self._log_wait(request, budget, grant)
                 delayed = True
                 if result.reserved:
                     moment = decided + result.retry_after
                     moment_us = result.moment_us if grant.shared else None
-                    if await self._hold_until(
+                    if await self._moments.hold_until(
                         domain,
                         moment,
                         moment_us,
@@ -199,120 +160,55 @@ class Turns:
                         reservation=result.reservation if grant.shared else None,
                     ):
                         self._went(request, budget, since, delayed, result.reservation)
-                        return WENT
+                        return None
                     continue
-                if result.paused:
-                    await self._clock.sleep(result.retry_after)
-                    continue
-                if result.retry_after <= self._config.max_reserve:
-                    # Not reserved though near (a fixed window's room too many windows ahead):
-                    # it asks again then.
+                if grant.asks_again or result.retry_after <= self._config.max_reserve:
+                    # Paused, waiting for Redis or for its share, or not reserved though near
+                    # (a fixed window's room too many windows ahead): it asks again then.
                     await self._clock.sleep(result.retry_after)
                     continue
                 # Too far ahead to reserve: come back when it is not.
                 await self._clock.sleep(result.retry_after - self._config.max_reserve / 2)
 
-    async def _hold_until(
-        self,
-        domain: str,
-        moment: float,
-        moment_us: float | None,
-        reserved_at: float,
-        elsewhere: bool = False,
-        local: bool = False,
-        reservation: Reservation | None = None,
-    ) -> bool:
-        """Wait for the *moment* (loop time; *moment_us*: by Redis's clock, if Redis gave it)
-        reserved for *domain* at *reserved_at* (*reservation*: in Redis): True when it comes,
-        False as soon as it is void (see :meth:`_still_reserved`) or missed (see
-        :meth:`_missed`)."""
-        # The voidings it may have missed are read first, within its wait (read at its moment,
-        # a slow Redis's answer would come too late for it); the listener hears those after.
-        if self._pauses.listening and not await self._read_voidings(
-            domain, reserved_at, elsewhere, local
+    def _handed(
+        self, request: Request, budget: RequestBudget, ticket: Ticket | None
+    ) -> tuple[Ticket | None, Callable[[], Ticket | None] | None]:
+        """The ticket *request* goes with: its own, if it still holds for *budget*, or one lent
+        (see :meth:`.Handoff.lend`); and how to be lent the next if it misses that one's."""
+        lend = None
+        if ticket is None and self.handoff is not None and not budget.others and _robots(request):
+            # Its worker's requests of the domain back from the parking area wait for it:
+            # it goes at the soonest moment one of them holds.
+            lend = functools.partial(self.handoff.lend, budget.domain)
+            ticket = lend()
+        if ticket is not None and (
+            ticket.domain != budget.domain
+            or request.meta.get(OTHERS_META, []) != budget.other_names
         ):
-            return False
-        while True:
-            await self._pauses.sleep(domain, moment - self._clock.monotonic())
-            # Placed by the bounds Redis's clock had then: those of a reply read late put it
-            # late, and the replies read since may tell that it has passed.
-            moment = self._bucket.server_clock(domain).placed(moment, moment_us)
-            if (
-                self._missed(domain, moment)
-                or not await self._still_reserved(
-                    domain, reserved_at, moment, elsewhere, local, reservation
-                )
-                or self._missed(domain, moment)  # Redis answered the voiding's read too late
-            ):
-                return False
-            # Else woken early by a pause that does not void this moment (one that came after
-            # it was reserved): the rest of the wait still holds.
-            if self._clock.monotonic() >= moment - MOMENT_SLACK:
-                return True
+            # Its scope names another domain now, or its other budgets changed while it was
+            # parked (another proxy): its moment was not reserved in them; it asks anew.
+            ticket = replace(ticket, domain=budget.domain, reserved=False)
+        return ticket, lend
 
-    def _missed(self, domain: str, moment: float) -> bool:
-        """Whether it is over ``MISSED_AFTER`` too late to go at *moment* (counted)."""
-        late = self._clock.monotonic() - moment
-        if late <= MISSED_AFTER:
-            return False
-        self._stats.inc_value(f"{STATS_PREFIX}/missed_moments")
+    def _log_wait(self, request: Request, budget: RequestBudget, grant: Grant) -> None:
+        why = {
+            Source.HANDOVER: ", keeping to this worker's share just after an outage",
+            Source.WAIT: ", until Redis answers",
+            Source.ALONE: ", paced locally while Redis fails",
+        }.get(grant.source, ", paused live" if grant.result.paused else "")
         logger.debug(
-            "Redis throttle: a request missed its moment for %(domain)r by %(late).3f s (its "
-            "worker was busy): it asks for a new one",
-            {"domain": domain, "late": late},
+            "Redis throttle: %(request)s waits %(delay).3f s for %(domain)r "
+            "(%(limit)s)%(others)s%(why)s",
+            {
+                "request": request,
+                "delay": grant.result.retry_after,
+                "domain": budget.domain,
+                "limit": budget.limit,
+                "others": "".join(f" and {name!r} ({each})" for name, each in budget.others),
+                "why": why,
+            },
             extra=self._log_extra(),
         )
-        return True
-
-    async def _still_reserved(
-        self,
-        domain: str,
-        reserved_at: float,
-        moment: float,
-        elsewhere: bool = False,
-        local: bool = False,
-        reservation: Reservation | None = None,
-    ) -> bool:
-        """Whether a request may go at the *moment* it reserved at *reserved_at* (see
-        :meth:`.Pauses.is_void`; *elsewhere*: in another process, maybe; *reservation*: in
-        Redis, which tells when by Redis's clock): not if a pause, or a change of the rate,
-        voided it since, or Redis lost the throttle's state since it was reserved, there or
-        alone (see :meth:`.ResilientBucket.lost`); it must ask Redis again. For a moment
-        reserved in Redis (not *local*ly, while Redis failed), a pause published while this
-        worker was not listening is read from Redis; if Redis cannot tell, the request goes by
-        what this worker heard (under the ``"wait"`` policy, it asks again)."""
-        if not await self._read_voidings(domain, reserved_at, elsewhere, local):
-            return False
-        reserved_us = None if reservation is None else reservation.at
-        if self._pauses.is_void(domain, reserved_at, moment, elsewhere, reserved_us):
-            self._stats.inc_value(f"{STATS_PREFIX}/paused_reservations")
-            return False
-        if self._bucket.lost(reserved_at, elsewhere):
-            # Redis restarted empty since: its bucket may give the moment to another request,
-            # and one taken alone was placed after moments that are no more.
-            self._stats.inc_value(f"{STATS_PREFIX}/lost_reservations")
-            return False
-        return True
-
-    async def _read_voidings(
-        self, domain: str, reserved_at: float, elsewhere: bool, local: bool
-    ) -> bool:
-        """Read *domain*'s last voiding from Redis if this worker may have missed one since
-        *reserved_at* (see :meth:`.Pauses.knows_voidings`; never for a moment reserved
-        *local*ly): False when Redis cannot tell and the ``"wait"`` policy says to ask again."""
-        if local or self._pauses.knows_voidings(domain, reserved_at, elsewhere):
-            return True
-        self._stats.inc_value(f"{STATS_PREFIX}/voidings_read")
-        read_at = self._clock.wall()
-        known, voiding = await self._bucket.last_voiding(domain, self._pauses.listening)
-        if known:
-            self._pauses.read(domain, voiding, read_at)
-            return True
-        # Else Redis fails, and what this worker heard is all it can know: a moment reserved in
-        # Redis is still the fleet's, where a new one (paced alone) would know no more of the
-        # pauses published meanwhile. Under the "wait" policy nothing goes on a guess: it asks
-        # again, and waits for Redis.
-        return self._config.on_redis_error != FALLBACK_WAIT
 
     def _went(
         self,
@@ -361,7 +257,7 @@ class Turns:
     ) -> Ticket:
         """The ticket that parks *request* until shortly before it may go."""
         result = grant.result
-        if result.reserved or result.paused:
+        if result.reserved or grant.asks_again:
             delay = result.retry_after
         elif result.retry_after <= self._config.max_reserve:
             # Refused though near (a fixed window's room too many windows ahead): back then,
@@ -386,13 +282,20 @@ class Turns:
         due = result.decided(self._clock.monotonic()) + delay
         reservation = result.reservation if grant.shared else None
         return Ticket(
-            domain,
-            due,
-            result.reserved,
-            not grant.shared,
-            asked_at,
-            since,
-            False,
-            result.moment_us if result.reserved and grant.shared else None,
-            reservation,
+            domain=domain,
+            due=due,
+            reserved=result.reserved,
+            locally=not grant.shared,
+            reserved_at=asked_at,
+            waiting_since=since,
+            elsewhere=False,
+            moment_us=result.moment_us if result.reserved and grant.shared else None,
+            reservation=reservation,
         )
+
+
+def _robots(request: Request) -> bool:
+    """Whether *request* is RobotsTxtMiddleware's fetch of a robots.txt."""
+    return bool(request.meta.get("dont_obey_robotstxt")) and (
+        urlparse_cached(request).path == "/robots.txt"
+    )

@@ -31,7 +31,7 @@ def endpoint_url(crawler: Crawler) -> str:
         for m in crawler.engine.downloader.middleware.middlewares
         if isinstance(m, RedisThrottleMiddleware)
     ]
-    endpoint = middleware.metrics_endpoint
+    endpoint = middleware.throttle.metrics_endpoint
     assert endpoint is not None, "the crawl serves no /metrics"
     return f"http://{endpoint.host}:{endpoint.port}/metrics"
 

@@ -32,9 +32,10 @@ from scrapy_redis_throttle.bucket import TokenBucket
 from scrapy_redis_throttle.clock import Clock
 from scrapy_redis_throttle.config import ThrottleConfig
 from scrapy_redis_throttle.connection import ThrottleRedis, connect
-from scrapy_redis_throttle.penalties import Pause, Pauses
+from scrapy_redis_throttle.local_buckets import LocalBuckets
+from scrapy_redis_throttle.moments import MOMENT_SLACK
+from scrapy_redis_throttle.pauses import Pause, Pauses
 from scrapy_redis_throttle.redis_schema import server_micros
-from scrapy_redis_throttle.waiting import MOMENT_SLACK
 
 if TYPE_CHECKING:
     import redis
@@ -393,19 +394,19 @@ def listening_pauses(
     release_parked: Callable[[str, Pause], None],
     clock: Clock | None = None,
 ) -> tuple[Pauses, ThrottleRedis, MemoryStatsCollector]:
-    """Pauses on the channel "ch" of *redis_server*, with *release_parked* (and *clock*), not
-    started; their client and stats."""
+    """Pauses on the channel "ch" of *redis_server*, which tell *release_parked* what they void
+    in the parking area (and on *clock*), not started; their client and stats."""
     config = ThrottleConfig.from_settings(Settings({"REDIS_THROTTLE_URL": redis_server.url}))
     client = connect(config)
     stats = MemoryStatsCollector(get_crawler())
-    pauses = Pauses(
-        client,
-        "ch",
-        stats,
-        dict,
-        lambda _key: None,
-        release_parked,
-        longest=600,
-        clock=clock or Clock(),
-    )
+    clock = clock or Clock()
+    pauses = Pauses(client, "ch", stats, dict, LocalBuckets(clock), longest=600, clock=clock)
+    pauses.parking = _Parking(release_parked)
     return pauses, client, stats
+
+
+class _Parking:
+    """A parking area that passes each voiding on to *void*."""
+
+    def __init__(self, void: Callable[[str, Pause], None]) -> None:
+        self.void = void

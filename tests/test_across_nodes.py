@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 
 import pytest
@@ -23,14 +23,16 @@ from scrapy.utils.test import get_crawler
 from support import WORKER_USER, add_worker_user, async_test, redis_now_us, wait_until_async
 
 from scrapy_redis_throttle.across_nodes import PEEK, AcrossNodes
-from scrapy_redis_throttle.bucket import AcquireResult, TokenBucket
+from scrapy_redis_throttle.bucket import TokenBucket
 from scrapy_redis_throttle.budgets import Budget
 from scrapy_redis_throttle.clock import Clock
 from scrapy_redis_throttle.config import ThrottleConfig
 from scrapy_redis_throttle.connection import close, connect
 from scrapy_redis_throttle.control import LiveControl
+from scrapy_redis_throttle.one_node import OneNode
 from scrapy_redis_throttle.rates import FIXED_WINDOW, Limit, parse_limit
 from scrapy_redis_throttle.redis_schema import bucket_key
+from scrapy_redis_throttle.replies import AcquireResult, Reservation
 from scrapy_redis_throttle.resilience import ResilientBucket
 
 PREFIX = "redis_throttle"
@@ -89,22 +91,40 @@ def counting(
     """Decisions across *bucket*'s nodes, each call of the script recorded in *calls* (and
     preceded by *before*)."""
 
-    async def acquire_one(
-        name: str,
+    return AcrossNodes(CountingNode(bucket.node, calls, before), None, Clock())
+
+
+class CountingNode:
+    """*node*'s calls, each acquire recorded in *calls* (and preceded by *before*)."""
+
+    def __init__(
+        self,
+        node: OneNode,
+        calls: list[Call],
+        before: Callable[[Call], Awaitable[None]] | None,
+    ) -> None:
+        self._node = node
+        self._calls = calls
+        self._before = before
+
+    async def acquire(
+        self,
+        domain: str,
         limit: Limit,
         cost: float,
         reserve: float,
-        busy: float,
+        busy_until: float,
         not_before: int,
-        alone: bool,
+        alone: bool = False,
     ) -> AcquireResult:
-        call = (name, reserve, not_before)
-        calls.append(call)
-        if before is not None:
-            await before(call)
-        return await bucket.acquire_in_one_call(name, limit, cost, reserve, busy, not_before, alone)
+        call = (domain, reserve, not_before)
+        self._calls.append(call)
+        if self._before is not None:
+            await self._before(call)
+        return await self._node.acquire(domain, limit, cost, reserve, busy_until, not_before, alone)
 
-    return AcrossNodes(acquire_one, bucket.unreserve, lambda: True, Clock())
+    async def unreserve(self, domain: str, reservations: Sequence[Reservation]) -> object:
+        return await self._node.unreserve(domain, reservations)
 
 
 @async_test
@@ -318,7 +338,7 @@ async def test_the_breaker_s_probe_asks_every_budget_s_primary(redis_cluster: Lo
     budget = ResilientBucket(client, config, MemoryStatsCollector(get_crawler()), dict, Clock())
     limit = Limit(rate=10, burst=1, text="10/s")
     try:
-        await budget.check()
+        await budget.start()
         assert budget.breaker.open_for() is None
         with proxy_primary.client() as admin:
             admin.execute_command("ACL", "SETUSER", WORKER_USER, "-evalsha", "-eval")
@@ -397,7 +417,7 @@ async def test_requests_waiting_for_a_node_that_stalls_do_not_call_it_again(
     # Longer than a call's timeout (1 s): unpaused only when it ends (CLIENT UNPAUSE waits too).
     pause_ms = 2500
     try:
-        await budget.check()
+        await budget.start()
         with proxy_primary.client() as admin:
             admin.execute_command("CLIENT", "PAUSE", pause_ms, "ALL")
         grants = await asyncio.gather(

@@ -33,13 +33,14 @@ from support import (
     wait_until,
 )
 
-from scrapy_redis_throttle.bucket import AcquireResult, TokenBucket
+from scrapy_redis_throttle.bucket import TokenBucket
 from scrapy_redis_throttle.cli import EXIT_REDIS_FAILED
 from scrapy_redis_throttle.config import ThrottleConfig
 from scrapy_redis_throttle.connection import close, connect
 from scrapy_redis_throttle.control import LiveControl
 from scrapy_redis_throttle.rates import Limit, parse_limit
 from scrapy_redis_throttle.redis_schema import bucket_key
+from scrapy_redis_throttle.replies import AcquireResult
 from scrapy_redis_throttle.scripts import load_script
 from scrapy_redis_throttle.server_clock import FIRST_READS
 

@@ -30,6 +30,7 @@ from support import (
 
 from scrapy_redis_throttle import Limit, RedisThrottleMiddleware, crawl_delay
 from scrapy_redis_throttle.crawl_delay import MAX_HOSTS, with_crawl_delay
+from scrapy_redis_throttle.throttle import Throttle
 
 if TYPE_CHECKING:
     from scrapy.crawler import Crawler
@@ -173,13 +174,13 @@ def test_a_fleet_keeps_the_crawl_delay_between_all_its_requests(
         assert stats["redis_throttle/crawl_delay/applied"] == 1
 
 
-def throttle_of(crawler: Crawler) -> RedisThrottleMiddleware:
+def throttle_of(crawler: Crawler) -> Throttle:
     [middleware] = [
         m
         for m in crawler.engine.downloader.middleware.middlewares
         if isinstance(m, RedisThrottleMiddleware)
     ]
-    return middleware
+    return middleware.throttle
 
 
 @needs_robots_signal

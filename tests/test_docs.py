@@ -6,7 +6,7 @@
   ``dont_redis_throttle`` (but the spider attribute ``redis_throttle_rates``, documented with
   the settings), against every ``.. reqmeta:: name`` of docs/reference/meta.rst.
 * Stats: every f-string that starts with ``{STATS_PREFIX}/`` (the module's own STATS_PREFIX, or
-  config.py's), a part computed at run time written ``<...>``, against every ````redis_throttle/...````
+  stats.py's), a part computed at run time written ``<...>``, against every ````redis_throttle/...````
   entry of docs/reference/stats.rst.
 
 Constants are read with ``ast``, so that comments do not count; docstrings do not either, as no
@@ -85,7 +85,7 @@ def test_every_meta_key_is_documented_and_every_documented_key_exists() -> None:
 
 
 def _stats_prefix(tree: ast.Module, default: str) -> str:
-    """The module's own ``STATS_PREFIX = "..."``, else *default* (config.py's, imported)."""
+    """The module's own ``STATS_PREFIX = "..."``, else *default* (stats.py's, imported)."""
     for node in tree.body:
         if (
             isinstance(node, ast.Assign)
@@ -111,8 +111,8 @@ def _is_stats_prefix(node: ast.expr) -> bool:
 def _stats_in_code() -> set[str]:
     """Stat names as the package builds them, ``<>`` for each part computed at run time."""
     modules = _modules()
-    default = _stats_prefix(modules[PACKAGE / "config.py"], "")
-    assert default, "config.py has no STATS_PREFIX"
+    default = _stats_prefix(modules[PACKAGE / "stats.py"], "")
+    assert default, "stats.py has no STATS_PREFIX"
     stats = set()
     for tree in modules.values():
         prefix = _stats_prefix(tree, default)

@@ -43,7 +43,6 @@ from support import (
     wait_until_async,
 )
 
-from scrapy_redis_throttle.bucket import LIVE_INVALID, Reservation
 from scrapy_redis_throttle.cli import EXIT_BAD_INPUT
 from scrapy_redis_throttle.cli import main as cli_main
 from scrapy_redis_throttle.clock import Clock
@@ -52,7 +51,8 @@ from scrapy_redis_throttle.connection import close, connect, connect_url
 from scrapy_redis_throttle.control import LiveControl
 from scrapy_redis_throttle.crawl_delay import MIN_CRAWL_DELAY, parse_crawl_delay
 from scrapy_redis_throttle.errors import ThrottleConfigError
-from scrapy_redis_throttle.penalties import (
+from scrapy_redis_throttle.one_node import LIVE_INVALID
+from scrapy_redis_throttle.pauses import (
     FIRST_SUBSCRIPTION_WAIT,
     MAX_RESUBSCRIBE_DELAY,
     MAX_RETRY_AFTER,
@@ -65,6 +65,7 @@ from scrapy_redis_throttle.rates import Limit, normalize_domain, parse_limit
 from scrapy_redis_throttle.redis_parking import RedisParking, read_member
 from scrapy_redis_throttle.redis_schema import bucket_key, penalty_key, rate_key
 from scrapy_redis_throttle.rejections import Rejections
+from scrapy_redis_throttle.replies import Reservation
 from scrapy_redis_throttle.request_codec import Unparkable, decode_request, encode_request
 from scrapy_redis_throttle.resilience import ResilientBucket
 from scrapy_redis_throttle.scripts import load_script
@@ -622,7 +623,17 @@ async def test_parked_tickets_count_only_with_the_fleets_seal(redis_server: Redi
     store = sealing_store(redis_server, "sealed:parked", b"s" * 64, stats)
     loop_now, now = asyncio.get_running_loop().time(), time.time()
     reservation = Reservation(9_000_000_000_000, 60_000_000, 8_000_000_000_000)
-    ticket = Ticket(A, loop_now, True, False, now, now, False, 1e15, reservation)
+    ticket = Ticket(
+        domain=A,
+        due=loop_now,
+        reserved=True,
+        locally=False,
+        reserved_at=now,
+        waiting_since=now,
+        elsewhere=False,
+        moment_us=1e15,
+        reservation=reservation,
+    )
     await store.park(Request(f"http://{A}/page/0"), ticket)
     other = sealing_store(redis_server, "sealed:parked", b"t" * 64)  # another fleet's secret
     try:
@@ -677,7 +688,17 @@ async def test_a_close_gives_back_only_the_reservations_the_fleet_sealed(
     store = sealing_store(redis_server, "drop:parked", b"s" * 64)
     loop_now, now = asyncio.get_running_loop().time(), time.time()
     reservation = Reservation(9_000_000_000_000, 60_000_000, 8_000_000_000_000)
-    ticket = Ticket(A, loop_now + 60, True, False, now, now, False, 1e15, reservation)
+    ticket = Ticket(
+        domain=A,
+        due=loop_now + 60,
+        reserved=True,
+        locally=False,
+        reserved_at=now,
+        waiting_since=now,
+        elsewhere=False,
+        moment_us=1e15,
+        reservation=reservation,
+    )
     await store.park(Request(f"http://{A}/page/0"), ticket)
     with redis_server.client() as client:
         (genuine,) = client.zrange("drop:parked", 0, -1)
@@ -1110,7 +1131,14 @@ async def test_a_forged_parked_request_loses_none_taken_with_it(redis_server: Re
     )
     now = time.time()
     for n in range(3):
-        ticket = Ticket(A, asyncio.get_running_loop().time(), False, False, now, now)
+        ticket = Ticket(
+            domain=A,
+            due=asyncio.get_running_loop().time(),
+            reserved=False,
+            locally=False,
+            reserved_at=now,
+            waiting_since=now,
+        )
         await store.park(Request(f"http://{A}/page/{n}", callback=spider.parse_page), ticket)
     with redis_server.client() as client:
         for body in (b'{"url": "http://a.example/x", "encoding": "nope"}', b"\x80\x04junk"):

@@ -20,12 +20,15 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from scrapy import signals
+from scrapy.statscollectors import MemoryStatsCollector
+from scrapy.utils.test import get_crawler
 from support import async_test, crawl_settings, pages, run_crawl
 
 from scrapy_redis_throttle.control import LiveControl
 from scrapy_redis_throttle.fleet_exporter import FleetCollector
 from scrapy_redis_throttle.metrics import WAIT_BUCKETS, ThrottleMetrics, WorkerState
 from scrapy_redis_throttle.metrics_endpoint import WorkerCollector
+from scrapy_redis_throttle.stats import redis_error_stat
 
 A, B, C = HOSTS
 
@@ -131,12 +134,15 @@ METRICS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "reference" / "
 NAME = re.compile(r"\bscrapy_redis_throttle_[a-z_]+\b")
 
 
+class _OneWorker:
+    fleet_size = 1
+
+
 def _exported(redis_server: RedisServer) -> set[str]:
     """The names of the families and samples a worker's /metrics and the exporter serve."""
-    metrics = ThrottleMetrics(
-        True,
-        worker=WorkerState(fleet_workers=lambda: 1, redis_errors=lambda: {"TimeoutError": 1}),
-    )
+    collector = MemoryStatsCollector(get_crawler())
+    collector.inc_value(redis_error_stat("TimeoutError"))
+    metrics = ThrottleMetrics(True, worker=WorkerState(fleet=_OneWorker(), stats=collector))
     metrics.went(A, "acquired", 0.1, 1.0, None)
     metrics.paused(A, "429")
     registry = CollectorRegistry(auto_describe=False)

@@ -41,15 +41,15 @@ from support import (
 )
 from tcp_proxy import TcpProxy
 
-from scrapy_redis_throttle.bucket import Reservation
 from scrapy_redis_throttle.clock import Clock
 from scrapy_redis_throttle.connection import connect_url
 from scrapy_redis_throttle.control import LiveControl
 from scrapy_redis_throttle.parking_stores import MemoryParking
-from scrapy_redis_throttle.penalties import Pause
+from scrapy_redis_throttle.pauses import Pause
 from scrapy_redis_throttle.redis_parking import ParkUncertain, RedisParking, read_member
 from scrapy_redis_throttle.redis_schema import EPOCH
 from scrapy_redis_throttle.rejections import Rejections
+from scrapy_redis_throttle.replies import Reservation
 from scrapy_redis_throttle.scripts import load_script
 from scrapy_redis_throttle.server_clock import ServerClock
 from scrapy_redis_throttle.tickets import MOMENT_AGREES, TICKET_META, Ticket
@@ -490,7 +490,16 @@ async def test_a_parked_request_goes_at_the_moment_redis_gave_it_when_its_due_ag
     assert exact == pytest.approx(now + 5, abs=0.002)
 
     def ticket(due: float, moment: float | None = moment_us) -> Ticket:
-        return Ticket(SLOW, due, True, False, 0.0, 0.0, True, moment)
+        return Ticket(
+            domain=SLOW,
+            due=due,
+            reserved=True,
+            locally=False,
+            reserved_at=0.0,
+            waiting_since=0.0,
+            elsewhere=True,
+            moment_us=moment,
+        )
 
     assert ticket(now + 5.08).moment(clock) == exact, "a due read late: the moment counts"
     assert ticket(now + 4.9).moment(clock) == exact, "a due counted early: the moment counts"
@@ -515,7 +524,14 @@ async def test_a_voiding_brings_back_the_requests_parked_in_memory_with_moments_
         ("not-reserved", SLOW, 10, False, heard - 1),
     ]
     for path, key, delay, reserved, reserved_at in parks:
-        ticket = Ticket(key, now + delay, reserved, False, reserved_at, reserved_at)
+        ticket = Ticket(
+            domain=key,
+            due=now + delay,
+            reserved=reserved,
+            locally=False,
+            reserved_at=reserved_at,
+            waiting_since=reserved_at,
+        )
         await store.park(Request(f"http://{key}/{path}"), ticket)
 
     assert await store.release_voided(SLOW, Pause(heard, now + 60)) == 5
@@ -583,7 +599,14 @@ async def test_a_park_whose_reply_is_lost_and_whose_request_is_gone_is_uncertain
             Clock(),
         )
         now = time.time()
-        ticket = Ticket(SLOW, asyncio.get_running_loop().time() + 60, True, False, now, now)
+        ticket = Ticket(
+            domain=SLOW,
+            due=asyncio.get_running_loop().time() + 60,
+            reserved=True,
+            locally=False,
+            reserved_at=now,
+            waiting_since=now,
+        )
         try:
             await store.park(Request(f"http://{SLOW}/page/0"), ticket)  # (Redis's clock known)
             proxy.lose_replies(True)

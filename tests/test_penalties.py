@@ -34,12 +34,13 @@ from support import (
     wait_until_async,
 )
 
-from scrapy_redis_throttle.bucket import TokenBucket, Voiding
+from scrapy_redis_throttle.bucket import TokenBucket
 from scrapy_redis_throttle.config import Backoff, ThrottleConfig
 from scrapy_redis_throttle.connection import close, connect
-from scrapy_redis_throttle.penalties import parse_retry_after
+from scrapy_redis_throttle.pauses import parse_retry_after
 from scrapy_redis_throttle.rates import Limit
 from scrapy_redis_throttle.redis_schema import bucket_key, penalty_channel, penalty_key
+from scrapy_redis_throttle.replies import Voiding
 
 A, B, C = HOSTS
 LIMIT = Limit(5, 2, "5/s")

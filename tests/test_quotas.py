@@ -30,7 +30,7 @@ from support import (
     wait_until_async,
 )
 
-from scrapy_redis_throttle import bucket as bucket_module
+from scrapy_redis_throttle import one_node
 from scrapy_redis_throttle.cli import EXIT_BAD_INPUT
 from scrapy_redis_throttle.control import FleetActivity, LiveControl
 from scrapy_redis_throttle.rates import Limit, parse_limit
@@ -502,7 +502,7 @@ async def test_domains_with_live_quotas_are_remembered_within_a_bound(
 ) -> None:
     """Past LIVE_QUOTAS_KEPT domains (a hostile Redis may set quotas on every one), the worker
     forgets them all: each one's next call is one more, and its quotas still apply."""
-    monkeypatch.setattr(bucket_module, "LIVE_QUOTAS_KEPT", 3)
+    monkeypatch.setattr(one_node, "LIVE_QUOTAS_KEPT", 3)
     window = limit({"rate": "1/m", "algorithm": SLIDING})
     domains = [f"d{n}.example" for n in range(7)]
     with redis.Redis.from_url(redis_server.url) as client:
@@ -512,10 +512,10 @@ async def test_domains_with_live_quotas_are_remembered_within_a_bound(
         async with token_bucket(redis_server) as bucket:
             for domain in domains:
                 assert (await bucket.acquire(domain, limit("10/s"))).allowed
-                assert len(bucket._live_quotas) <= 3
+                assert len(bucket.node._live_quotas) <= 3
             for domain in domains:
                 assert not (await bucket.acquire(domain, limit("10/s"))).allowed, "1 a minute"
-                assert len(bucket._live_quotas) <= 3
+                assert len(bucket.node._live_quotas) <= 3
 
 
 @async_test

@@ -21,23 +21,23 @@ from spiders import UrlListSpider
 from support import async_test, wait_until_async
 
 from scrapy_redis_throttle.activity import REPORTS_KEPT, Activity
-from scrapy_redis_throttle.bucket import Unreserved, Voiding
 from scrapy_redis_throttle.budgets import Budget, RequestBudget
 from scrapy_redis_throttle.clock import Clock
 from scrapy_redis_throttle.config import DEFAULT_KEY_PREFIX, ThrottleConfig
 from scrapy_redis_throttle.connection import connect_url
 from scrapy_redis_throttle.control import LiveControl
-from scrapy_redis_throttle.fallback import Grant
+from scrapy_redis_throttle.fallback import Grant, Source
 from scrapy_redis_throttle.metrics import ThrottleMetrics
-from scrapy_redis_throttle.penalties import Pauses
+from scrapy_redis_throttle.pauses import Pauses
 from scrapy_redis_throttle.rates import Limit
 from scrapy_redis_throttle.redis_parking import RedisParking
 from scrapy_redis_throttle.redis_schema import fleet_key, penalty_channel
 from scrapy_redis_throttle.rejections import Rejections
+from scrapy_redis_throttle.replies import Unreserved, Voiding
 from scrapy_redis_throttle.resilience import ResilientBucket
 from scrapy_redis_throttle.server_clock import ServerClock
 from scrapy_redis_throttle.tickets import Ticket
-from scrapy_redis_throttle.waiting import WENT, Turns
+from scrapy_redis_throttle.waiting import Turns
 
 
 @contextlib.asynccontextmanager
@@ -50,7 +50,7 @@ async def own_budget(
     stats = stats or MemoryStatsCollector(get_crawler())
     budget = ResilientBucket(client, config, stats, dict, Clock())
     try:
-        await budget.check()
+        await budget.start()
         yield budget
     finally:
         await budget.aclose()
@@ -242,7 +242,7 @@ async def test_after_an_outage_a_worker_keeps_to_its_share_while_others_may_pace
                 # Reserved: its moment, from when Redis decided (a reply read late is no later).
                 given.append(result.decided(loop.time()) + result.retry_after)
             else:
-                waits.append(grant.handover)
+                waits.append(grant.source is Source.HANDOVER)
             await asyncio.sleep(grant.result.retry_after)
         return given
 
@@ -353,12 +353,12 @@ async def test_a_parked_moment_reserved_before_redis_restarted_empty_is_not_give
         assert held.moment_us is not None
         now, wall = asyncio.get_running_loop().time(), time.time()
         ticket = Ticket(
-            domain,
-            now + held.retry_after,
-            True,
-            False,
-            wall,
-            wall,
+            domain=domain,
+            due=now + held.retry_after,
+            reserved=True,
+            locally=False,
+            reserved_at=wall,
+            waiting_since=wall,
             moment_us=held.moment_us,
             reservation=held.reservation,
         )
@@ -369,11 +369,10 @@ async def test_a_parked_moment_reserved_before_redis_restarted_empty_is_not_give
             penalty_channel(config.key_prefix),
             stats,
             dict,
-            other.fallback.local.forget,
-            lambda *_: None,
+            other.fallback.local,
             longest=60,
             clock=Clock(),
-            check_state=other.check_state,
+            state=other.guard,
         )
         activity = Activity(client, "ns", 0, stats, dict, Clock())
         turns = Turns(
@@ -386,7 +385,7 @@ async def test_a_parked_moment_reserved_before_redis_restarted_empty_is_not_give
                 spider,
                 Rejections(stats, dict),
                 Clock(),
-                seals=bucket.seals,
+                seals=bucket.lost_state.seals,
             )
             for bucket in (parker, other)
         ]
@@ -405,7 +404,7 @@ async def test_a_parked_moment_reserved_before_redis_restarted_empty_is_not_give
                 await recording.acquire(domain, limit, 1)
             [(request, back)] = (await stores[1].unpark(ahead=10, limit=10))[0]
             asked = len(recording.moments)
-            assert await turns.take(request, budget, back, may_park=False) is WENT
+            assert await turns.take(request, budget, back, may_park=False) is None
             # Nor is the lost moment given back to the new bucket (a moment reserved there is).
             assert held.reservation is not None
             assert await other.unreserve(domain, [held.reservation]) == Unreserved(0, 0)

@@ -13,10 +13,12 @@ from local_redis import RedisServer
 from redis.asyncio import Redis
 from support import async_test
 
-from scrapy_redis_throttle.bucket import AcquireResult, TokenBucket, parse_reply, script_args
+from scrapy_redis_throttle.bucket import TokenBucket
 from scrapy_redis_throttle.connection import connect_url
+from scrapy_redis_throttle.one_node import parse_reply, script_args
 from scrapy_redis_throttle.rates import Limit
 from scrapy_redis_throttle.redis_schema import bucket_key
+from scrapy_redis_throttle.replies import AcquireResult
 from scrapy_redis_throttle.scripts import LuaScript, lua_script
 
 LIMIT = Limit(rate=10, burst=50, text="10/s (burst 50)")

@@ -164,7 +164,7 @@ async def test_a_worker_that_may_not_count_itself_in_the_fleet_says_so_and_knows
         for m in crawler.engine.downloader.middleware.middlewares
         if type(m).__name__ == "RedisThrottleMiddleware"
     )
-    assert middleware.bucket.fallback.workers() is None
+    assert middleware.throttle.bucket.fallback.workers() is None
 
 
 @async_test

@@ -16,9 +16,11 @@ import redis
 from local_redis import RedisServer
 from support import async_test, redis_now_us, wait_until
 
-from scrapy_redis_throttle.bucket import AcquireResult, TokenBucket, parse_reply, script_args
+from scrapy_redis_throttle.bucket import TokenBucket
+from scrapy_redis_throttle.one_node import parse_reply, script_args
 from scrapy_redis_throttle.rates import Limit
 from scrapy_redis_throttle.redis_schema import bucket_key
+from scrapy_redis_throttle.replies import AcquireResult
 from scrapy_redis_throttle.scripts import load_script
 
 KEY = "test:{example.com}"

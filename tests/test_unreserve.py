@@ -12,9 +12,10 @@ import redis
 from local_redis import RedisServer
 from support import redis_now_us
 
-from scrapy_redis_throttle.bucket import UNRESERVE_BATCH, Reservation, parse_reply, script_args
+from scrapy_redis_throttle.one_node import UNRESERVE_BATCH, parse_reply, script_args
 from scrapy_redis_throttle.rates import Limit, parse_limit
 from scrapy_redis_throttle.redis_schema import UNRESERVED_SUFFIX, void_key
+from scrapy_redis_throttle.replies import Reservation
 from scrapy_redis_throttle.scripts import load_script
 
 KEY = "test:{example.com}"

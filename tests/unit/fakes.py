@@ -23,23 +23,21 @@ from scrapy.settings import Settings
 from scrapy.statscollectors import MemoryStatsCollector
 from scrapy.utils.test import get_crawler
 
-from scrapy_redis_throttle.activity import Activity
 from scrapy_redis_throttle.addon import Addon
-from scrapy_redis_throttle.bucket import AcquireResult, Reservation, Unreserved, Voiding
 from scrapy_redis_throttle.budgets import Budget, RequestBudget
 from scrapy_redis_throttle.clock import Clock
 from scrapy_redis_throttle.config import ThrottleConfig
-from scrapy_redis_throttle.fallback import Grant
 from scrapy_redis_throttle.local_buckets import LocalBuckets
 from scrapy_redis_throttle.metrics import ThrottleMetrics
 from scrapy_redis_throttle.parking import ParkingArea
 from scrapy_redis_throttle.parking_stores import MemoryParking
-from scrapy_redis_throttle.penalties import Pause, Pauses
+from scrapy_redis_throttle.pauses import Pause
 from scrapy_redis_throttle.rates import Limit, parse_limit
+from scrapy_redis_throttle.replies import AcquireResult, Reservation, Unreserved, Voiding
 from scrapy_redis_throttle.resilience import ResilientBucket
 from scrapy_redis_throttle.server_clock import ServerClock
+from scrapy_redis_throttle.throttle import Throttle as RealThrottle
 from scrapy_redis_throttle.tickets import TICKET_META, Ticket
-from scrapy_redis_throttle.waiting import Turns, Went
 
 _T = TypeVar("_T")
 
@@ -48,6 +46,8 @@ _T = TypeVar("_T")
 SETTLE_TURNS = 50
 START_WALL = 1_800_000_000.0
 START_MONOTONIC = 1_000.0
+# No Redis answers there: a client the unit tests build is never called (its scripts stand in).
+NO_REDIS = "redis://127.0.0.1:1/0"
 
 
 async def settle() -> None:
@@ -128,74 +128,6 @@ def stats() -> MemoryStatsCollector:
     return MemoryStatsCollector(get_crawler())
 
 
-class MemoryBucket:
-    """Stands for :class:`.ResilientBucket` (see :class:`.waiting.SharedBucket`): one bucket per
-    domain, in memory, by the scripts' algorithm on the fake clock. Every call is recorded
-    (monotonic time, domain); :attr:`answers` are given before the bucket's own."""
-
-    def __init__(self, clock: FakeClock, max_reserve: float = 60.0, shared: bool = True) -> None:
-        self._clock = clock
-        self._max_reserve = max_reserve
-        self.shared = shared
-        self.bucket = LocalBuckets(clock)
-        self.calls: list[tuple[float, str]] = []
-        self.answers: list[AcquireResult] = []
-        # What voided() answers: whether Redis could tell, and the last voiding.
-        self.voiding: tuple[bool, Voiding | None] = (True, None)
-        self.voiding_reads = 0
-        # How long each read of the voidings takes (a slow Redis), and whether the worker
-        # listened when it asked.
-        self.voiding_read_time = 0.0
-        self.read_listening: list[bool] = []
-        # When (wall time) Redis lost the throttle's state, as read (None: never).
-        self.lost_at: float | None = None
-        # Seconds a call takes each way (a slow Redis): it decides halfway through.
-        self.latency = 0.0
-        # Limits set live (see set_live), by domain.
-        self.live: dict[str, Limit] = {}
-        self._server_clock = ServerClock()
-
-    async def acquire(
-        self, domain: str, limit: Limit, cost: float, others: Sequence[Budget] = ()
-    ) -> Grant:
-        self.calls.append((self._clock.now, domain))
-        if self.answers:
-            return Grant(self.answers.pop(0), shared=self.shared)
-        limit = self.live.get(domain, limit)
-        if not self.latency:
-            result = self.bucket.acquire(domain, limit, cost, self._max_reserve, 1, others)
-            return Grant(result, shared=self.shared)
-        await self._clock.sleep(self.latency)
-        result = self.bucket.acquire(domain, limit, cost, self._max_reserve, 1, others)
-        decided = replace(result, decided_at=self._clock.now)
-        await self._clock.sleep(self.latency)
-        return Grant(decided, shared=self.shared)
-
-    def set_live(self, domain: str, limit: Limit) -> float:
-        """Set *domain*'s limit live, as lua/set_limit.lua does: the bucket forgets the moments
-        reserved before. How long they were to last: what the change voids (it publishes it)."""
-        now = self._clock.now
-        void = max(0.0, self.bucket._full_at.get(domain, now) - now)
-        self.bucket._full_at[domain] = now
-        self.live[domain] = limit
-        return void
-
-    def server_clock(self, domain: str) -> ServerClock:
-        return self._server_clock
-
-    async def last_voiding(
-        self, domain: str, listening: bool = False
-    ) -> tuple[bool, Voiding | None]:
-        self.voiding_reads += 1
-        self.read_listening.append(listening)
-        if self.voiding_read_time:
-            await self._clock.sleep(self.voiding_read_time)
-        return self.voiding
-
-    def lost(self, reserved_at: float, elsewhere: bool = False) -> bool:
-        return self.lost_at is not None and reserved_at < self.lost_at
-
-
 class FakeDownloader:
     def __init__(self) -> None:
         self.active: set[Request] = set()
@@ -226,47 +158,53 @@ class FakeCrawler:
     stats: MemoryStatsCollector = field(default_factory=stats)
 
 
+class Fleet:
+    """A fleet of *size* workers, as :class:`.Activity` last saw it (None: not seen)."""
+
+    def __init__(self, size: int | None) -> None:
+        self.fleet_size = size
+
+
 class Throttle:
-    """A request's path from its turn on, as the middleware builds it (:class:`.Turns`, with
-    :class:`.Pauses`), on the fake clock and a :class:`MemoryBucket`. Redis is never called:
-    the client stands unconnected (the pauses' listener is not started, nor the reports)."""
+    """The throttle (:class:`scrapy_redis_throttle.throttle.Throttle`) on the fake clock, its
+    scripts in memory (:class:`MemoryScripts`). Redis is never called: the pauses' listener is
+    not started, nor the reports."""
 
     def __init__(
-        self, clock: FakeClock | None = None, bucket: MemoryBucket | None = None, **settings: Any
+        self, clock: FakeClock | None = None, scripts: MemoryScripts | None = None, **settings: Any
     ) -> None:
-        """*clock*, *bucket*: those of another worker's, for a fleet."""
+        """*clock*, *scripts*: those of another worker's, for a fleet."""
         self.clock = clock or FakeClock()
-        self.config = throttle_config(**settings)
-        self.stats = stats()
-        self.bucket = bucket or MemoryBucket(self.clock, self.config.max_reserve)
-        self.voidings: list[tuple[str, Pause]] = []
-        self.forgotten: list[str] = []
-        redis = Redis(port=1)  # never called
-        self.pauses = Pauses(
-            redis,
-            "channel",
-            self.stats,
-            dict,
-            forget=self.forgotten.append,
-            release_parked=lambda *voiding: self.voidings.append(voiding),
-            longest=max(self.config.backoff.longest, self.config.max_reserve),
-            clock=self.clock,
-        )
-        self.activity = Activity(redis, "ns", 0, self.stats, dict, self.clock)
-        self.metrics = ThrottleMetrics(on=True)
-        self.turns = Turns(
-            self.config,
-            self.bucket,
-            self.pauses,
-            self.activity,
-            self.stats,
-            self.metrics,
-            dict,
+        self.scripts = scripts or MemoryScripts(self.clock)
+        settings.setdefault("REDIS_THROTTLE_URL", NO_REDIS)
+        crawler = get_crawler(Spider, settings)
+        self.throttle = RealThrottle(
+            crawler,
+            ThrottleConfig.from_settings(crawler.settings),
             self.clock,
+            self.scripts,  # type: ignore[arg-type]
         )
+        self.config = self.throttle.config
+        self.stats = self.throttle.stats
+        self.bucket = self.throttle.bucket
+        self.pauses = self.throttle.pauses
+        self.turns = self.throttle.turns
+        self.metrics = self.throttle.metrics
+        # What the pauses void in the parking area (a record of ParkingArea.void's calls).
+        self.voidings: list[tuple[str, Pause]] = []
+        self.pauses.parking = self
+
+    def void(self, domain: str, pause: Pause) -> None:
+        self.voidings.append((domain, pause))
 
     def stat(self, name: str) -> Any:
         return self.stats.get_value(f"redis_throttle/{name}")
+
+    async def restart_redis_empty(self) -> None:
+        """Redis loses the throttle's state (a new secret), and this worker reads it now."""
+        await self.bucket.guard.read_state()
+        self.scripts.secret = b"t" * 64
+        await self.bucket.guard.read_state()
 
     async def take(
         self,
@@ -276,8 +214,8 @@ class Throttle:
         may_park: bool = False,
         domain: str = "a.example",
         cost: float = 1.0,
-    ) -> Ticket | Went:
-        """The request's turn, time moving while it waits: WENT when it went (at the clock's
+    ) -> Ticket | None:
+        """The request's turn, time moving while it waits: None when it went (at the clock's
         time then), or its ticket."""
         budget = RequestBudget(domain, limit, (), cost)
         return await self.clock.run(self.turns.take(request, budget, ticket, may_park))
@@ -288,25 +226,41 @@ class Throttle:
         limit: Limit,
         ticket: Ticket | None = None,
         domain: str = "a.example",
-    ) -> asyncio.Task[Ticket | Went]:
+    ) -> asyncio.Task[Ticket | None]:
         """The request's turn, under way while the test moves time itself."""
         turn = self.turns.take(request, RequestBudget(domain, limit), ticket, may_park=False)
         return asyncio.ensure_future(turn)
 
 
-class FlakyScripts:
+class MemoryScripts:
     """Stands for :class:`.TokenBucket` (the scripts' calls) behind a :class:`.ResilientBucket`:
-    a bucket in memory on the fake clock while :attr:`up`, a ConnectionError while not, and a
-    script's refusal while :attr:`refusing`. Each acquire is recorded (domain, busy_until)."""
+    one bucket per domain in memory, by the scripts' algorithm on the fake clock (see
+    :class:`.LocalBuckets`). A ConnectionError while not :attr:`up`, a script's refusal while
+    :attr:`refusing`. Each acquire is recorded (domain, busy_until); :attr:`answers` are given
+    before the bucket's own."""
 
     def __init__(self, clock: FakeClock) -> None:
+        self._clock = clock
         self.up = True
         self.refusing = False
         self.bucket = LocalBuckets(clock)
         self.calls: list[tuple[str, float]] = []
+        self.asked_at: list[float] = []
+        self.answers: list[AcquireResult] = []
         self.probes = 0
         # The fleet's secret in Redis: another one is Redis restarted empty.
         self.secret = b"s" * 64
+        self.secret_reads = 0
+        # The last voiding of a domain's moments, as Redis keeps it; how often it was read, how
+        # long each read takes (a slow Redis), and whether a read fails.
+        self.voiding: Voiding | None = None
+        self.voiding_reads = 0
+        self.voiding_read_time = 0.0
+        self.voiding_fails = False
+        # Seconds a call takes each way (a slow Redis): it decides halfway through.
+        self.latency = 0.0
+        # Limits set live (see set_live), by domain.
+        self.live: dict[str, Limit] = {}
         self._server_clock = ServerClock()
 
     def _answer(self) -> None:
@@ -325,13 +279,33 @@ class FlakyScripts:
         others: Sequence[tuple[str, Limit, float]] = (),
     ) -> AcquireResult:
         self.calls.append((domain, busy_until))
+        self.asked_at.append(self._clock.now)
         self._answer()
+        if self.answers:
+            return self.answers.pop(0)
+        limit = self.live.get(domain, limit)
+        if self.latency:
+            await self._clock.sleep(self.latency)
         # As token_bucket.lua: a bucket is not full before its busy_until.
         full_at = self.bucket._full_at
         for name, busy in ((domain, busy_until), *((name, busy) for name, _, busy in others)):
             full_at[name] = max(full_at.get(name, 0.0), busy)
         budgets = [Budget(name, each) for name, each, _ in others]
-        return self.bucket.acquire(domain, limit, cost, reserve, 1, budgets)
+        result = self.bucket.acquire(domain, limit, cost, reserve, 1, budgets)
+        if not self.latency:
+            return result
+        decided = replace(result, decided_at=self._clock.now)
+        await self._clock.sleep(self.latency)
+        return decided
+
+    def set_live(self, domain: str, limit: Limit) -> float:
+        """Set *domain*'s limit live, as lua/set_limit.lua does: the bucket forgets the moments
+        reserved before. How long they were to last: what the change voids (it publishes it)."""
+        now = self._clock.now
+        void = max(0.0, self.bucket._full_at.get(domain, now) - now)
+        self.bucket._full_at[domain] = now
+        self.live[domain] = limit
+        return void
 
     async def probe(self, domain: str | None = None) -> None:
         self.probes += 1
@@ -340,7 +314,17 @@ class FlakyScripts:
     def server_clock(self, domain: str) -> ServerClock:
         return self._server_clock
 
+    async def last_voiding(self, domain: str) -> Voiding | None:
+        self.voiding_reads += 1
+        if self.voiding_read_time:
+            await self._clock.sleep(self.voiding_read_time)
+        self._answer()
+        if self.voiding_fails:
+            raise RedisConnectionError("Timeout reading from socket")
+        return self.voiding
+
     async def load_secret(self) -> tuple[bytes, bool]:
+        self.secret_reads += 1
         self._answer()
         return self.secret, False
 
@@ -349,15 +333,15 @@ class FlakyScripts:
 
 
 class CutPath:
-    """One worker's path to the scripts' Redis (a :class:`FlakyScripts` the fleet shares), which
+    """One worker's path to the scripts' Redis (a :class:`MemoryScripts` the fleet shares), which
     the test may cut for that worker alone: while :attr:`cut`, its calls fail as if Redis were
     down."""
 
-    def __init__(self, scripts: FlakyScripts) -> None:
+    def __init__(self, scripts: MemoryScripts) -> None:
         self.scripts = scripts
         self.cut = False
 
-    def _through(self) -> FlakyScripts:
+    def _through(self) -> MemoryScripts:
         if self.cut:
             raise RedisConnectionError("Timeout connecting to server")
         return self.scripts
@@ -400,14 +384,14 @@ def refused_by_the_site(sends: list[float], each: Limit) -> list[float]:
 def resilient_bucket(
     clock: FakeClock,
     fleet: int | None = 2,
-    scripts: FlakyScripts | None = None,
+    scripts: MemoryScripts | None = None,
     path: CutPath | None = None,
     **settings: Any,
-) -> tuple[ResilientBucket, FlakyScripts, MemoryStatsCollector]:
+) -> tuple[ResilientBucket, MemoryScripts, MemoryStatsCollector]:
     """A :class:`.ResilientBucket` on *clock* in a fleet of *fleet* workers, with
-    :class:`FlakyScripts` for its calls (*scripts*: those of another worker, the same Redis;
+    :class:`MemoryScripts` for its calls (*scripts*: those of another worker, the same Redis;
     *path*: reached through it)."""
-    scripts = scripts or FlakyScripts(clock)
+    scripts = scripts or MemoryScripts(clock)
     collector = stats()
     bucket = ResilientBucket(
         Redis(port=1),  # never called: the scripts stand in
@@ -415,7 +399,7 @@ def resilient_bucket(
         collector,
         dict,
         clock,
-        fleet_size=lambda: fleet,
+        fleet=Fleet(fleet),
         bucket=path or scripts,  # type: ignore[arg-type]
     )
     return bucket, scripts, collector
@@ -464,7 +448,15 @@ class Yard:
         wall = self.clock.wall() - age
         reservation = RESERVATION if reserved else None
         due = self.clock.now + due_in
-        return Ticket(domain, due, reserved, False, wall, wall, reservation=reservation)
+        return Ticket(
+            domain=domain,
+            due=due,
+            reserved=reserved,
+            locally=False,
+            reserved_at=wall,
+            waiting_since=wall,
+            reservation=reservation,
+        )
 
     def park(self, ticket: Ticket, n: int = 0) -> Request:
         request = Request(f"http://{ticket.domain}/{n}", meta={TICKET_META: ticket})

@@ -13,7 +13,6 @@ from support import async_test
 
 from scrapy_redis_throttle import local_buckets
 from scrapy_redis_throttle.breaker import CircuitBreaker
-from scrapy_redis_throttle.bucket import AcquireResult
 from scrapy_redis_throttle.budgets import Budget
 from scrapy_redis_throttle.config import (
     DEFAULT_FALLBACK_AFTER,
@@ -22,9 +21,10 @@ from scrapy_redis_throttle.config import (
     FALLBACK_OPEN,
     FALLBACK_WAIT,
 )
-from scrapy_redis_throttle.fallback import WAIT_FOR_REDIS
+from scrapy_redis_throttle.fallback import WAIT_FOR_REDIS, Source
 from scrapy_redis_throttle.local_buckets import LocalBuckets
 from scrapy_redis_throttle.rates import Limit
+from scrapy_redis_throttle.replies import AcquireResult
 from scrapy_redis_throttle.resilience import FIRST_PROBE_DELAY, ResilientBucket
 
 A = "a.example"
@@ -197,7 +197,7 @@ async def test_a_failure_opens_the_breaker_and_each_worker_paces_at_its_share() 
     await clock.advance(DEFAULT_FALLBACK_AFTER - 1)
     held.append(await bucket.acquire(A, TEN_PER_SECOND, 1))
     assert [grant.shared for grant in held] == [False] * 2
-    assert [grant.result.paused for grant in held] == [True] * 2, "nothing reserved"
+    assert [grant.source for grant in held] == [Source.WAIT] * 2, "nothing reserved"
     # Asked again when the hold ends, WAIT_FOR_REDIS at most (parked meanwhile).
     assert [grant.result.retry_after for grant in held] == pytest.approx(
         [DEFAULT_FALLBACK_AFTER, 1]
@@ -274,7 +274,7 @@ async def test_after_an_outage_a_worker_keeps_to_its_share_for_one_probe_interva
     assert bucket.breaker.open_for() is None
     calls = len(scripts.calls)
     waiting = await bucket.acquire(A, TEN_PER_SECOND, 1)
-    assert waiting.handover
+    assert waiting.source is Source.HANDOVER
     assert not waiting.shared
     assert len(scripts.calls) == calls, "it waits for its share without asking Redis"
     assert collector.get_value("redis_throttle/handover_waits") == 1
@@ -283,7 +283,7 @@ async def test_after_an_outage_a_worker_keeps_to_its_share_for_one_probe_interva
     assert (await bucket.acquire(A, TEN_PER_SECOND, 1)).shared, "its share allows it: Redis"
     await clock.advance(2.0)
     grants = [await bucket.acquire(A, TEN_PER_SECOND, 1) for _ in range(3)]
-    assert all(grant.shared and not grant.handover for grant in grants), "the fleet's pace again"
+    assert all(grant.shared for grant in grants), "the fleet's pace again"
     await bucket.aclose()
 
 
@@ -321,7 +321,7 @@ async def test_a_worker_that_never_saw_the_fleet_waits_for_redis() -> None:
     bucket, scripts, collector = resilient_bucket(clock, fleet=None)
     scripts.up = False
     grant = await bucket.acquire(A, TEN_PER_SECOND, 1)
-    assert grant.result.paused, "it knows no share: nothing is reserved"
+    assert grant.source is Source.WAIT, "it knows no share: nothing is reserved"
     assert grant.result.retry_after == WAIT_FOR_REDIS, "asks again later, parked meanwhile"
     assert WAIT_FOR_REDIS > DEFAULT_MAX_HOLD
     assert collector.get_value("redis_throttle/fallback/unknown_fleet") == 1
@@ -425,7 +425,7 @@ async def test_a_domain_whose_bucket_this_worker_never_saw_waits_for_redis() -> 
     seen(bucket, "b.example")
     scripts.up = False
     unseen = await bucket.acquire(A, TEN_PER_SECOND, 1)
-    assert unseen.result.paused, "nothing is reserved"
+    assert unseen.source is Source.WAIT, "nothing is reserved"
     assert unseen.result.retry_after == WAIT_FOR_REDIS
     assert collector.get_value("redis_throttle/fallback/unseen_domain") == 1
     assert (await bucket.acquire("b.example", TEN_PER_SECOND, 1)).result.allowed

@@ -1,5 +1,5 @@
 """Redis restarted empty (issue #36): the fleet's secret tells it (:mod:`.seals`), and every
-moment reserved there before is lost: :meth:`.ResilientBucket.check_state` reads it,
+moment reserved there before is lost: :meth:`.ResilientBucket.read_state` reads it,
 :class:`.Turns` does not let a request go at such a moment, and :class:`.LocalBuckets` does not
 tell the new buckets what it saw in the old ones. On a fake clock; tests/test_resilience.py runs
 the whole sequence on a real Redis."""
@@ -9,19 +9,19 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from fakes import FakeClock, FlakyScripts, Throttle, limit, refused_by_the_site, resilient_bucket
+from fakes import FakeClock, MemoryScripts, Throttle, limit, refused_by_the_site, resilient_bucket
 from scrapy import Request
 from support import async_test
 
-from scrapy_redis_throttle.bucket import AcquireResult
 from scrapy_redis_throttle.config import DEFAULT_FALLBACK_AFTER
+from scrapy_redis_throttle.fallback import Source
 from scrapy_redis_throttle.local_buckets import LocalBuckets
-from scrapy_redis_throttle.penalties import CLOCK_MARGIN
+from scrapy_redis_throttle.pauses import CLOCK_MARGIN
 from scrapy_redis_throttle.rates import Limit
+from scrapy_redis_throttle.replies import AcquireResult
 from scrapy_redis_throttle.resilience import ResilientBucket
 from scrapy_redis_throttle.seals import Seals
 from scrapy_redis_throttle.tickets import Ticket
-from scrapy_redis_throttle.waiting import WENT
 
 A, B = "a.example", "b.example"
 TWO_PER_SECOND = limit("2/s")
@@ -45,14 +45,14 @@ def test_a_new_secret_replaces_the_known_one_and_its_seals_are_told_apart() -> N
 async def test_a_new_secret_loses_every_moment_reserved_before_it_was_read() -> None:
     clock = FakeClock()
     bucket, scripts, stats = resilient_bucket(clock)
-    await bucket.check_state()  # the secret as it is at start
+    await bucket.guard.read_state()  # the secret as it is at start
     before = clock.wall()
     await clock.advance(10)
-    await bucket.check_state()
+    await bucket.guard.read_state()
     assert not bucket.lost(before), "the same secret: nothing lost"
     scripts.secret = b"t" * 64  # Redis restarted empty; a worker made a new one
     await clock.advance(10)
-    await bucket.check_state()
+    await bucket.guard.read_state()
     read_at = clock.wall()
     assert stats.get_value("redis_throttle/state_lost") == 1
     assert bucket.lost(before)
@@ -61,7 +61,7 @@ async def test_a_new_secret_loses_every_moment_reserved_before_it_was_read() -> 
     # Another process's wall clock may be ahead by up to CLOCK_MARGIN.
     assert bucket.lost(read_at + CLOCK_MARGIN / 2, elsewhere=True)
     assert not bucket.lost(read_at + CLOCK_MARGIN, elsewhere=True)
-    await bucket.check_state()
+    await bucket.guard.read_state()
     assert stats.get_value("redis_throttle/state_lost") == 1, "read again: nothing new"
 
 
@@ -72,7 +72,9 @@ def test_after_redis_lost_its_state_nothing_seen_or_taken_before_is_told() -> No
     went before is told as one bound instead (see the tests below)."""
     clock = FakeClock()
     local = LocalBuckets(clock)
-    seen = AcquireResult(False, True, 0.0, retry_after=100.0, reset_after=100.5)
+    seen = AcquireResult(
+        allowed=False, reserved=True, tokens_left=0.0, retry_after=100.0, reset_after=100.5
+    )
     local.follow(A, seen)
     local.tell_again()
     assert local.acquire(A, TWO_PER_SECOND, 1, reserve=300, workers=2).reserved
@@ -110,16 +112,16 @@ async def send(clock: FakeClock, bucket: ResilientBucket, each: Limit, until: fl
     return sent
 
 
-async def fleet_of(clock: FakeClock, size: int) -> tuple[list[ResilientBucket], FlakyScripts]:
+async def fleet_of(clock: FakeClock, size: int) -> tuple[list[ResilientBucket], MemoryScripts]:
     """*size* workers on one Redis (the same scripts), each knowing the fleet's secret."""
-    scripts = FlakyScripts(clock)
+    scripts = MemoryScripts(clock)
     workers = [resilient_bucket(clock, fleet=size, scripts=scripts)[0] for _ in range(size)]
     for bucket in workers:
-        await bucket.check_state()
+        await bucket.guard.read_state()
     return workers, scripts
 
 
-def restarted_empty(clock: FakeClock, scripts: FlakyScripts) -> None:
+def restarted_empty(clock: FakeClock, scripts: MemoryScripts) -> None:
     """The scripts' Redis restarted empty: no bucket, and a new secret once a worker reads it."""
     scripts.bucket, scripts.secret, scripts.up = LocalBuckets(clock), b"t" * 64, True
 
@@ -141,7 +143,7 @@ async def test_after_a_restart_the_fleet_resumes_within_a_second_at_the_limit() 
     for bucket in workers:
         held = await bucket.acquire(A, five, 1)
         assert not held.shared
-        assert held.result.paused, "held: the outage may be its alone"
+        assert held.source is Source.WAIT, "held: the outage may be its alone"
     await clock.advance(DEFAULT_FALLBACK_AFTER)
     for bucket in workers:
         alone = await bucket.acquire(A, five, 1)
@@ -152,7 +154,7 @@ async def test_after_a_restart_the_fleet_resumes_within_a_second_at_the_limit() 
     restarted_empty(clock, scripts)
     lost_at = clock.now
     for bucket in workers:
-        await bucket.check_state()  # each reads the loss, 0.3 s apart
+        await bucket.guard.read_state()  # each reads the loss, 0.3 s apart
         await clock.advance(0.3)
         assert bucket.lost(lost_at - 1), "what was reserved before is lost"
     sends = await clock.run(
@@ -183,7 +185,7 @@ async def test_after_a_restart_one_worker_alone_takes_the_whole_budget_within_a_
     restarted_empty(clock, scripts)
     back_at = clock.now
     for bucket in workers:
-        await bucket.check_state()
+        await bucket.guard.read_state()
     sends = await clock.run(send(clock, workers[0], five, back_at + 6))
     window = [at for at in sends if back_at + 1 <= at < back_at + 6]
     assert len(window) >= 0.95 * 5 * 5, f"{len(window)} sends from 1 s to 6 s after, at 5/s"
@@ -211,7 +213,7 @@ async def test_six_workers_at_8_per_second_keep_the_limit_across_a_restart(outag
         before += [clock.now]  # the moment each worker took alone went (one is enough here)
     restarted_empty(clock, scripts)
     for bucket in workers:
-        await bucket.check_state()
+        await bucket.guard.read_state()
         await clock.advance(0.05)
     lost_at = clock.now
     sends = await clock.run(
@@ -226,14 +228,30 @@ async def test_six_workers_at_8_per_second_keep_the_limit_across_a_restart(outag
 async def test_a_request_does_not_go_at_a_moment_redis_lost() -> None:
     throttle = Throttle()
     now, wall = throttle.clock.now, throttle.clock.wall()
-    throttle.bucket.lost_at = wall - 1
-    held = Ticket(A, now, True, False, wall - 5, wall - 5, elsewhere=True)
-    assert await throttle.take(Request(f"http://{A}/1"), TWO_PER_SECOND, held) is WENT
+    await throttle.restart_redis_empty()
+    held = Ticket(
+        domain=A,
+        due=now,
+        reserved=True,
+        locally=False,
+        reserved_at=wall - 5,
+        waiting_since=wall - 5,
+        elsewhere=True,
+    )
+    assert await throttle.take(Request(f"http://{A}/1"), TWO_PER_SECOND, held) is None
     assert throttle.stat("lost_reservations") == 1
-    assert len(throttle.bucket.calls) == 1, "asked anew"
-    fresh = Ticket(A, throttle.clock.now, True, False, wall, wall, elsewhere=True)
+    assert len(throttle.scripts.calls) == 1, "asked anew"
+    fresh = Ticket(
+        domain=A,
+        due=throttle.clock.now,
+        reserved=True,
+        locally=False,
+        reserved_at=wall,
+        waiting_since=wall,
+        elsewhere=True,
+    )
     await throttle.clock.advance(1)
-    assert await throttle.take(Request(f"http://{A}/2"), TWO_PER_SECOND, fresh) is WENT
+    assert await throttle.take(Request(f"http://{A}/2"), TWO_PER_SECOND, fresh) is None
     assert throttle.stat("lost_reservations") == 1, "reserved after the loss was read"
 
 
@@ -243,14 +261,23 @@ async def test_a_moment_taken_alone_before_redis_lost_its_state_is_lost_with_it(
     which are no more: the request asks the new bucket instead of going then."""
     throttle = Throttle()
     now, wall = throttle.clock.now, throttle.clock.wall()
-    throttle.bucket.lost_at = wall - 1
-    local = Ticket(A, now, True, True, wall - 5, wall - 5)
-    assert await throttle.take(Request(f"http://{A}/1"), TWO_PER_SECOND, local) is WENT
+    await throttle.restart_redis_empty()
+    local = Ticket(
+        domain=A, due=now, reserved=True, locally=True, reserved_at=wall - 5, waiting_since=wall - 5
+    )
+    assert await throttle.take(Request(f"http://{A}/1"), TWO_PER_SECOND, local) is None
     assert throttle.stat("lost_reservations") == 1
-    assert len(throttle.bucket.calls) == 1, "asked anew"
-    after = Ticket(A, throttle.clock.now, True, True, wall, wall)
+    assert len(throttle.scripts.calls) == 1, "asked anew"
+    after = Ticket(
+        domain=A,
+        due=throttle.clock.now,
+        reserved=True,
+        locally=True,
+        reserved_at=wall,
+        waiting_since=wall,
+    )
     await throttle.clock.advance(1)
-    assert await throttle.take(Request(f"http://{A}/2"), TWO_PER_SECOND, after) is WENT
+    assert await throttle.take(Request(f"http://{A}/2"), TWO_PER_SECOND, after) is None
     assert throttle.stat("lost_reservations") == 1, "taken alone after the loss was read"
 
 
@@ -261,16 +288,16 @@ async def test_a_worker_that_reads_redis_lost_its_state_keeps_to_its_share_a_whi
     this one keeps to its share for REDIS_THROTTLE_PROBE_INTERVAL, as after an outage it saw."""
     clock = FakeClock()
     bucket, scripts, _ = resilient_bucket(clock, REDIS_THROTTLE_PROBE_INTERVAL=2)
-    await bucket.check_state()  # the secret as it is at start
+    await bucket.guard.read_state()  # the secret as it is at start
     scripts.secret = b"t" * 64
-    await bucket.check_state()
+    await bucket.guard.read_state()
     first = await bucket.acquire(A, limit("10/s"), 1)  # a share of 5/s, burst 1: now
     second = await bucket.acquire(A, limit("10/s"), 1)
     assert first.shared
-    assert second.handover
+    assert second.source is Source.HANDOVER
     assert second.result.retry_after == pytest.approx(0.2)
     await clock.advance(2.0)
-    assert not (await bucket.acquire(A, limit("10/s"), 1)).handover
+    assert (await bucket.acquire(A, limit("10/s"), 1)).source is not Source.HANDOVER
     await bucket.aclose()
 
 
@@ -282,12 +309,12 @@ async def test_redis_that_answers_the_state_read_is_back() -> None:
     be void (cleared, when Redis lost them: a burst at once, beside the others' moments)."""
     clock = FakeClock()
     bucket, scripts, stats = resilient_bucket(clock)
-    await bucket.check_state()  # the secret as it is at start
+    await bucket.guard.read_state()  # the secret as it is at start
     scripts.up = False
     assert not (await bucket.acquire(A, TWO_PER_SECOND, 1)).shared
     assert bucket.breaker.open_for() is not None
     scripts.up = True
-    await bucket.check_state()
+    await bucket.guard.read_state()
     assert bucket.breaker.open_for() is None
     assert stats.get_value("redis_throttle/outages") == 1
     await bucket.aclose()

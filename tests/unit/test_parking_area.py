@@ -9,10 +9,10 @@ from fakes import RESERVATION, FakeClock, Yard
 from scrapy import Request
 from support import async_test
 
-from scrapy_redis_throttle.bucket import Reservation
 from scrapy_redis_throttle.parking import BUSY_RETRY, RELEASE_AHEAD
 from scrapy_redis_throttle.parking_stores import MemoryParking
-from scrapy_redis_throttle.penalties import Pause
+from scrapy_redis_throttle.pauses import Pause
+from scrapy_redis_throttle.replies import Reservation
 from scrapy_redis_throttle.request_codec import Unparkable
 from scrapy_redis_throttle.tickets import TICKET_META, Ticket
 
@@ -155,8 +155,24 @@ async def test_a_voiding_timed_by_redis_brings_back_only_moments_reserved_before
     clock, which times the voiding and the reservations alike, one after it: it stays."""
     yard = Yard()
     wall, due = yard.clock.wall(), yard.clock.now + 10
-    before = Ticket(A, due, True, False, wall, wall, reservation=Reservation(1, 1, 900_000))
-    after = Ticket(A, due, True, False, wall, wall, reservation=Reservation(1, 1, 1_100_000))
+    before = Ticket(
+        domain=A,
+        due=due,
+        reserved=True,
+        locally=False,
+        reserved_at=wall,
+        waiting_since=wall,
+        reservation=Reservation(1, 1, 900_000),
+    )
+    after = Ticket(
+        domain=A,
+        due=due,
+        reserved=True,
+        locally=False,
+        reserved_at=wall,
+        waiting_since=wall,
+        reservation=Reservation(1, 1, 1_100_000),
+    )
     voided, kept = yard.park(before, 1), yard.park(after, 2)
     await yard.clock.advance(0.1)
     yard.area.void(A, Pause(yard.clock.wall(), yard.clock.now + 20, at_us=1_000_000))
@@ -290,7 +306,14 @@ async def test_the_in_process_store_gives_back_at_most_what_it_is_asked_for() ->
     clock = FakeClock()
     store = MemoryParking(None, clock)
     for n in range(5):
-        ticket = Ticket(A, clock.now + n * 0.1, False, False, 0.0, 0.0)
+        ticket = Ticket(
+            domain=A,
+            due=clock.now + n * 0.1,
+            reserved=False,
+            locally=False,
+            reserved_at=0.0,
+            waiting_since=0.0,
+        )
         await store.park(Request(f"http://a.example/{n}"), ticket)
     due, next_due = await store.unpark(ahead=1.0, limit=2)
     assert [request.url for request, _ in due] == ["http://a.example/0", "http://a.example/1"]

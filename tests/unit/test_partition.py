@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
-from fakes import CutPath, FakeClock, FlakyScripts, limit, refused_by_the_site, resilient_bucket
+from fakes import CutPath, FakeClock, MemoryScripts, limit, refused_by_the_site, resilient_bucket
 from support import async_test
 
 from scrapy_redis_throttle.config import DEFAULT_FALLBACK_AFTER
@@ -49,7 +49,7 @@ async def cut_one_worker(
     is cut, for *cut_for* seconds. Each worker's sends until *until*, and when the cut began
     (loop time)."""
     clock = FakeClock()
-    scripts = FlakyScripts(clock)
+    scripts = MemoryScripts(clock)
     paths = [CutPath(scripts) for _ in range(WORKERS)]
     workers = [
         resilient_bucket(clock, fleet=WORKERS, scripts=scripts, path=path, **settings)[0]

@@ -11,17 +11,17 @@ from fakes import Throttle, limit
 from scrapy import Request
 from support import async_test
 
-from scrapy_redis_throttle.bucket import Reservation, Voiding
-from scrapy_redis_throttle.penalties import (
+from scrapy_redis_throttle.pauses import (
     CLOCK_MARGIN,
     PAUSES_PER_DOMAIN,
     SAME_PAUSE,
     SWEEP_STEP,
     Pause,
+    parse_message,
     parse_retry_after,
 )
+from scrapy_redis_throttle.replies import Reservation, Voiding
 from scrapy_redis_throttle.tickets import Ticket
-from scrapy_redis_throttle.waiting import WENT
 
 A, B = "a.example", "b.example"
 
@@ -145,10 +145,13 @@ async def test_a_sleep_leaves_nothing_behind() -> None:
 @async_test
 async def test_every_pause_tells_the_parking_area_and_forgets_the_local_view() -> None:
     throttle = Throttle()
+    local = throttle.bucket.fallback.local
+    local.acquire(A, limit("1/s"), 1, 60, 1)
+    assert local.seen(A)
     throttle.pauses.pause(A, 5.0)
     heard, until = throttle.clock.wall(), throttle.clock.now + 5.0
     assert throttle.voidings == [(A, Pause(heard, until))]
-    assert throttle.forgotten == [A]
+    assert not local.seen(A), "what this worker saw of the bucket is forgotten"
 
 
 @async_test
@@ -344,9 +347,28 @@ async def test_a_moment_reserved_elsewhere_after_a_live_change_goes_at_its_turn(
     wall = throttle.clock.wall()
     reservation = Reservation(after=2_200_000, step=1_000_000, at=1_200_000)
     ticket = Ticket(
-        A, throttle.clock.now + 0.5, True, False, wall, wall, elsewhere=True,
+        domain=A, due=throttle.clock.now + 0.5, reserved=True, locally=False, reserved_at=wall, waiting_since=wall, elsewhere=True,
         reservation=reservation,
     )  # fmt: skip
-    assert await throttle.take(Request(f"http://{A}/1"), limit("1/s"), ticket) is WENT
-    assert throttle.bucket.calls == [], "not asked again"
+    assert await throttle.take(Request(f"http://{A}/1"), limit("1/s"), ticket) is None
+    assert throttle.scripts.calls == [], "not asked again"
     assert throttle.stat("paused_reservations") is None
+
+
+@pytest.mark.parametrize(
+    ("data", "parsed"),
+    [
+        (b"2000000 8000000000000 a.example", ("a.example", 2_000_000, 8_000_000_000_000)),
+        (b"0 1 a b", ("a b", 0, 1)),
+        (b"2000000 8000000000000", None),  # no domain
+        (b"-1 1 a.example", None),
+        (b"1.5 1 a.example", None),
+        ("² 1 a.example".encode(), None),  # a digit to str.isdigit(), not ASCII
+        (b"1" * 16 + b" 1 a.example", None),  # over MAX_PAUSE_DIGITS
+        (b"", None),
+    ],
+)
+def test_a_message_on_the_channel_is_a_pause_or_nothing(
+    data: bytes, parsed: tuple[str, int, int] | None
+) -> None:
+    assert parse_message(data) == parsed

@@ -6,13 +6,8 @@ from __future__ import annotations
 
 from fakes import limit
 
-from scrapy_redis_throttle.bucket import (
-    LIVE_INVALID,
-    PAUSED_POLL,
-    Reservation,
-    parse_reply,
-    script_args,
-)
+from scrapy_redis_throttle.one_node import LIVE_INVALID, PAUSED_POLL, parse_reply, script_args
+from scrapy_redis_throttle.replies import Reservation
 
 FIVE = limit("5/s", burst=2)  # an interval of 200,000 µs
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+from fakes import Fleet
 from scrapy.settings import Settings
 
 from scrapy_redis_throttle.config import CrawlSettings
@@ -15,7 +16,7 @@ FIVE = parse_limit("5/s", default_burst=1, source="test")
 
 
 def caps(workers: int | None, **settings: object) -> SlotCaps:
-    return SlotCaps(CrawlSettings.from_settings(Settings(settings)), lambda: workers, dict)
+    return SlotCaps(CrawlSettings.from_settings(Settings(settings)), Fleet(workers), dict)
 
 
 def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:

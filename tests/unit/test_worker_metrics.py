@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import tracemalloc
 
+from fakes import FakeClock, Fleet, stats
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from scrapy_redis_throttle.breaker import CircuitBreaker
 from scrapy_redis_throttle.metrics import (
     ACQUIRED,
     CANCELED,
@@ -20,6 +22,7 @@ from scrapy_redis_throttle.metrics import (
     WorkerState,
 )
 from scrapy_redis_throttle.metrics_endpoint import WorkerCollector
+from scrapy_redis_throttle.stats import redis_error_stat
 
 # The names docs/reference/metrics.rst lists: a contract.
 CONTRACT = {
@@ -60,14 +63,11 @@ def requests_total(text: str, result: str = ACQUIRED) -> float:
 
 
 def test_the_exposition_has_the_contract_s_names_and_types() -> None:
-    metrics = ThrottleMetrics(
-        True,
-        worker=WorkerState(
-            fallback_active=lambda: True,
-            fleet_workers=lambda: 3,
-            redis_errors=lambda: {"ConnectionError": 2},
-        ),
-    )
+    breaker = CircuitBreaker(0.5, 5.0, FakeClock())
+    breaker.failed()  # open: the fallback decides
+    collector = stats()
+    collector.inc_value(redis_error_stat("ConnectionError"), 2)
+    metrics = ThrottleMetrics(True, worker=WorkerState(breaker, Fleet(3), collector))
     metrics.went("a.example", ACQUIRED, 0.2, 5.0, None)
     metrics.request("a.example", REJECTED)
     metrics.paused("a.example", "429")

@@ -22,26 +22,27 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
 from itertools import islice
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .clock import sleep_or_wake
-from .config import STATS_PREFIX
 from .connection import pubsub
 from .rejections import Once
+from .stats import STATS_PREFIX
 from .tasks import cancel_and_wait
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
+    from collections.abc import Callable
 
     from scrapy.statscollectors import StatsCollector
 
-    from .bucket import Voiding
     from .clock import Clock
     from .connection import ThrottleRedis
+    from .local_buckets import LocalBuckets
+    from .replies import Voiding
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,20 @@ def _http_date(text: str) -> datetime | None:
     return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
 
 
+def parse_message(data: bytes) -> tuple[str, int, int] | None:
+    """A pause as ``lua/penalty.lua`` publishes it (``<pause µs> <Redis's time µs> <domain>``):
+    its domain, length and time; None for anything else (anyone who may publish on the channel
+    can send anything: a bad message voids nothing)."""
+    pause_us, _, rest = data.decode("utf-8", "surrogateescape").partition(" ")
+    at_us, _, domain = rest.partition(" ")
+    if domain and all(
+        number.isascii() and number.isdigit() and len(number) <= MAX_PAUSE_DIGITS
+        for number in (pause_us, at_us)
+    ):
+        return domain, int(pause_us), int(at_us)
+    return None
+
+
 @dataclass(frozen=True)
 class Pause:
     """A voiding of a domain's reserved moments, as a worker knows it."""
@@ -163,10 +178,23 @@ class Pause:
         )
 
 
+class ParkedRequests(Protocol):
+    """Where the requests parked with reserved moments are (:class:`.ParkingArea`)."""
+
+    def void(self, domain: str, pause: Pause) -> None: ...
+
+
+class StateReader(Protocol):
+    """What reads whether Redis lost the throttle's state (:class:`.ResilientBucket`)."""
+
+    async def read_state(self) -> None: ...
+
+
 class Pauses:
-    """The pauses this worker knows of: its own, and those other workers published. *forget*
-    drops what the worker saw of a domain's bucket, which Redis changed; *release_parked* passes
-    each voiding on to the parking area (see :meth:`.ParkingArea.void`)."""
+    """The pauses this worker knows of: its own, and those other workers published. Each one
+    makes *local* forget what this worker saw of the domain's bucket (Redis changed it), and
+    voids the moments of the requests parked in :attr:`parking`; *state* is read at each
+    subscription."""
 
     def __init__(
         self,
@@ -174,19 +202,19 @@ class Pauses:
         channel: str,
         stats: StatsCollector,
         log_extra: Callable[[], dict[str, Any]],
-        forget: Callable[[str], None],
-        release_parked: Callable[[str, Pause], None],
+        local: LocalBuckets,
         *,
         longest: float,
         clock: Clock,
-        check_state: Callable[[], Awaitable[None]] | None = None,
+        state: StateReader | None = None,
     ) -> None:
         self._redis = redis
-        self._check_state = check_state
+        self._state = state
         self._clock = clock
         self._longest = longest
-        self._forget = forget
-        self._release_parked = release_parked
+        self._local = local
+        self.parking: ParkedRequests | None = None
+        """The parking area, once it is attached at the spider's open (None: none)."""
         self._channel = channel
         self._stats = stats
         self._log_extra = log_extra
@@ -239,12 +267,13 @@ class Pauses:
         self._pauses[domain] = pauses
         for each in list(islice(self._pauses, SWEEP_STEP)):
             self._under_way(each)  # forgotten if ended, else to the back of the line
-        self._forget(domain)
+        self._local.forget(domain)
         for sleep, wake_at in self._sleepers.get(domain, {}).items():
             if wake_at <= new.until and not sleep.done():
                 self._woken.add(sleep)
                 sleep.cancel()
-        self._release_parked(domain, new)
+        if self.parking is not None:
+            self.parking.void(domain, new)
 
     @property
     def listening(self) -> bool:
@@ -339,11 +368,11 @@ class Pauses:
                             # Every message published from now on reaches this worker: Redis
                             # confirms a subscription once it is in force.
                             subscribed_at = self._clock.wall()
-                            if self._check_state is not None:
+                            if self._state is not None:
                                 # Whether Redis lost the throttle's state since the last
                                 # subscription (a restart dropped it): if so, the moments
                                 # reserved before are lost, and nothing here says it.
-                                await self._check_state()
+                                await self._state.read_state()
                             self._listening_since = subscribed_at
                             self._read_at.clear()  # read before: not valid any more
                             self._subscribed.set()
@@ -378,18 +407,11 @@ class Pauses:
         )
 
     def _received(self, data: bytes) -> None:
-        pause_us, _, rest = data.decode("utf-8", "surrogateescape").partition(" ")
-        at_us, _, domain = rest.partition(" ")
-        # Anyone who may publish on the channel can send anything: a bad message voids nothing.
-        if (
-            all(
-                number.isascii() and number.isdigit() and len(number) <= MAX_PAUSE_DIGITS
-                for number in (pause_us, at_us)
-            )
-            and domain
-        ):
+        message = parse_message(data)
+        if message is not None:
+            domain, pause_us, at_us = message
             try:
-                self.pause(domain, int(pause_us) / 1e6, at_us=int(at_us))
+                self.pause(domain, pause_us / 1e6, at_us=at_us)
             except Exception as exc:  # a bug passing it on: the subscription and the next go on
                 self._count_once(
                     f"listener_errors/{type(exc).__name__}",
