@@ -196,8 +196,10 @@ class AcrossNodes:
                 if len(taken) == len(budgets):
                     taken.clear()  # decided
                     return results[0]
-                await self._unreserve_taken(taken)
-                taken.clear()
+                # Out of *taken* before they are given back: a request cancelled meanwhile
+                # must not give them back again (the second would take another's moment).
+                given, taken[:] = list(taken), []
+                await self._unreserve_taken(given)
             paused = [result for result in results if result.paused]
             if paused:
                 return paused[0]
