@@ -8,37 +8,23 @@ Run inside a Scrapy project, it reads the project's settings (``REDIS_THROTTLE_U
 
 from __future__ import annotations
 
-import argparse
-import math
-import re
 import sys
 import threading
-from importlib.metadata import version
 from typing import TYPE_CHECKING, Any
 
 import redis
 from redis.exceptions import RedisClusterException
-from scrapy.utils.conf import closest_scrapy_cfg
-from scrapy.utils.project import get_project_settings
 
-from . import status_view
-from .config import SCOPE_ATTRIBUTE, SPIDER_ATTRIBUTE, ThrottleConfig, needs_extra
+from . import cli_options, status_view
+from .config import ThrottleConfig, needs_extra
 from .connection import connect_sync
 from .control import LiveControl
 from .errors import ThrottleConfigError
 from .metrics_endpoint import MetricsEndpoint
-from .rates import (
-    TOKEN_BUCKET,
-    Quota,
-    normalize_domain,
-    parse_burst,
-    parse_limit,
-)
-from .redis_schema import ALGORITHM_CODES
-from .scopes import PROXY, proxy_budget
 from .status_view import UNREADABLE_NOTE, as_json
 
 if TYPE_CHECKING:
+    import argparse
     from collections.abc import Sequence
 
     from .control import Change, LiveLimit
@@ -49,14 +35,14 @@ EXIT_BAD_INPUT = 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
+    parser = cli_options.parser()
     args = parser.parse_args(argv)
     try:
-        config = _config(args)
+        config = cli_options.project_config(args)
         if hasattr(args, "domain"):
-            args.domain = _domain(args.domain, config)
+            args.domain = cli_options.domain(args.domain, config)
         if args.command == "set":
-            live = _live_limit(args.limits, args.burst)
+            live = cli_options.live_limit(args.limits, args.burst)
         if args.command == "exporter":
             needs_extra("exporter", "prometheus_client", "metrics")
     except ThrottleConfigError as exc:
@@ -107,222 +93,6 @@ def _redis_failed(config: ThrottleConfig, exc: Exception) -> int:
         file=sys.stderr,
     )
     return EXIT_REDIS_FAILED
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="scrapy-redis-throttle", description=__doc__.split("\n\n")[0].split(": ", 1)[1]
-    )
-    parser.add_argument(
-        "--version", action="version", version=f"%(prog)s {version('scrapy-redis-throttle')}"
-    )
-    _global_options(parser, None)
-    # The same options after the command too (each command's copy sets only what it is given).
-    after = argparse.ArgumentParser(add_help=False)
-    _global_options(after, argparse.SUPPRESS)
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    set_command = commands.add_parser(
-        "set", help="set a domain's limit for every worker, at its next request", parents=[after]
-    )
-    set_command.add_argument("domain", metavar="DOMAIN")
-    set_command.add_argument(
-        "limits",
-        metavar="LIMIT",
-        nargs="+",
-        help="a rate (5/s, 100/m, 1/10s, or a number), or ALGORITHM:RATE with ALGORITHM one of "
-        f"{', '.join(ALGORITHM_CODES)} (e.g. sliding_window:10/2s); with several, every one "
-        "applies (they replace the workers' own)",
-    )
-    set_command.add_argument(
-        "--burst", help="the first token bucket's burst (default: the workers' own)"
-    )
-    for name, text in (
-        ("get", "show a domain's limit and state"),
-        ("delete", "back to the workers' own limit (ends a pause set live)"),
-        ("pause", "stop every request to a domain until it is resumed"),
-        ("resume", "end a pause set live"),
-    ):
-        command = commands.add_parser(name, help=text, parents=[after])
-        command.add_argument("domain", metavar="DOMAIN")
-        if name == "get":
-            _json_option(command)
-    _json_option(
-        commands.add_parser("list", help="the domains with a limit set live", parents=[after])
-    )
-    status = commands.add_parser(
-        "status", help="the live workers and a table of the active domains", parents=[after]
-    )
-    _json_option(status)
-    status.add_argument(
-        "--watch", type=_interval, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C"
-    )
-    status.add_argument(
-        "--top", type=_positive_int, default=50, help="show at most this many (default 50)"
-    )
-    exporter = commands.add_parser(
-        "exporter",
-        help="serve the fleet's state in Redis to Prometheus, at /metrics, until Ctrl-C",
-        parents=[after],
-    )
-    exporter.add_argument(
-        "--port",
-        type=_port,
-        required=True,
-        help="the port to listen on (0: any free one)",
-    )
-    exporter.add_argument(
-        "--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)"
-    )
-    exporter.add_argument(
-        "--top",
-        type=_positive_int,
-        default=100,
-        help="the domains with the most requests in the last minute that keep their own "
-        "domain label (default 100)",
-    )
-    return parser
-
-
-def _global_options(parser: argparse.ArgumentParser, default: object) -> None:
-    """The options of every command, with *default* when not given."""
-    for name, options in (
-        ("--redis-url", {"help": "the fleet's Redis (default: the project's settings)"}),
-        ("--key-prefix", {"help": "REDIS_THROTTLE_KEY_PREFIX (default: the project's)"}),
-        (
-            "--sentinels",
-            {
-                "metavar": "HOST:PORT,...",
-                "help": "REDIS_THROTTLE_SENTINELS: ask these sentinels for the primary "
-                "(with --service)",
-            },
-        ),
-        ("--service", {"help": "REDIS_THROTTLE_SENTINEL_SERVICE, with --sentinels"}),
-        (
-            "--cluster-nodes",
-            {
-                "metavar": "HOST:PORT,...",
-                "help": "REDIS_THROTTLE_CLUSTER_NODES: the fleet's Redis is the cluster of "
-                "these nodes",
-            },
-        ),
-        (
-            "--spider",
-            {"help": f"also read this spider's {SPIDER_ATTRIBUTE} and {SCOPE_ATTRIBUTE}"},
-        ),
-    ):
-        parser.add_argument(name, default=default, **options)  # type: ignore[arg-type]
-
-
-def _interval(text: str) -> float:
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = math.nan
-    if not 0.1 <= seconds <= 86400:
-        raise argparse.ArgumentTypeError(
-            f"expected a number of seconds from 0.1 to 86400, got {text!r}"
-        )
-    return seconds
-
-
-def _port(text: str) -> int:
-    if not text.isascii() or not text.isdigit() or int(text) > 65535:
-        raise argparse.ArgumentTypeError(f"expected a port, 0 to 65535, got {text!r}")
-    return int(text)
-
-
-def _positive_int(text: str) -> int:
-    if not text.isascii() or not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer of at least 1, got {text!r}")
-    return int(text)
-
-
-def _json_option(command: argparse.ArgumentParser) -> None:
-    command.add_argument(
-        "--json", action="store_true", help="print JSON (one object per refresh with --watch)"
-    )
-
-
-def _domain(text: str, config: ThrottleConfig) -> str:
-    """DOMAIN as the workers' budgets are named (see :func:`.rates.normalize_domain`, and
-    :func:`.scopes.proxy_budget` for a proxy's ``host:port``, in a project whose scopes count
-    proxies); a URL, or a port no worker's budget holds, is refused."""
-    text = text.strip()
-    proxies = PROXY in {scope.name for scope in (config.scope, *config.other_scopes)}
-    host = text.rpartition(":")[0]
-    if "/" not in text and _PORT.fullmatch(text) and host and not proxies:
-        raise ThrottleConfigError(
-            f"DOMAIN: {text!r:.200} has a port, but the workers keep a site's limit under its "
-            f"host alone ({host!r:.200}); a host:port names a proxy, in a project whose "
-            f"REDIS_THROTTLE_SCOPE counts proxies"
-        )
-    try:
-        if "/" in text or not text:
-            raise ValueError
-        if _PORT.fullmatch(text):
-            return proxy_budget(text)
-        return normalize_domain(text)
-    except ValueError:  # IDNA's own errors say less than this
-        raise ThrottleConfigError(
-            f"DOMAIN: expected a host name (or a redis_throttle_key, or a proxy's host:port), "
-            f"{'not a URL' if '/' in text else 'got'}: {text!r:.200}"
-        ) from None
-
-
-# host:port (an IPv6 address has more colons, unless in brackets).
-_PORT = re.compile(r"([^:]*|\[.*\]):[^:]*")
-
-
-def _config(args: argparse.Namespace) -> ThrottleConfig:
-    """The project's configuration (with the options over it)."""
-    args.in_project = bool(closest_scrapy_cfg())
-    settings = get_project_settings()
-    if args.redis_url:
-        settings.set("REDIS_THROTTLE_URL", args.redis_url, priority="cmdline")
-    if args.key_prefix:
-        settings.set("REDIS_THROTTLE_KEY_PREFIX", args.key_prefix, priority="cmdline")
-    if args.sentinels:
-        settings.set("REDIS_THROTTLE_SENTINELS", args.sentinels, priority="cmdline")
-    if args.service:
-        settings.set("REDIS_THROTTLE_SENTINEL_SERVICE", args.service, priority="cmdline")
-    if args.cluster_nodes:
-        settings.set("REDIS_THROTTLE_CLUSTER_NODES", args.cluster_nodes, priority="cmdline")
-    # The tool works on the fleet's Redis even where these settings turn the throttle off.
-    settings.set("REDIS_THROTTLE_ENABLED", True, priority="cmdline")
-    spider = None
-    if args.spider:
-        from scrapy.spiderloader import get_spider_loader
-
-        try:
-            spider = get_spider_loader(settings).load(args.spider)
-        except KeyError as exc:
-            raise ThrottleConfigError(f"--spider: no spider named {args.spider!r}") from exc
-    return ThrottleConfig.from_settings(
-        settings,
-        spider_rates=getattr(spider, SPIDER_ATTRIBUTE, None),
-        spider_scope=getattr(spider, SCOPE_ATTRIBUTE, None),
-    )
-
-
-def _live_limit(
-    texts: list[str], burst_text: str | None
-) -> tuple[float, int | None, tuple[Quota, ...]]:
-    """The rate, burst (None: the workers' own) and quotas that ``set`` LIMIT... gives."""
-    items: list[dict[str, object]] = []
-    for text in texts:
-        algorithm, _, rate = text.rpartition(":")
-        items.append({"rate": rate, "algorithm": algorithm or TOKEN_BUCKET})
-    buckets = [item for item in items if item["algorithm"] == TOKEN_BUCKET]
-    burst = None if burst_text is None else parse_burst(burst_text, source="--burst")
-    if burst is not None:
-        if not buckets:
-            raise ThrottleConfigError("--burst: only a token bucket has a burst")
-        buckets[0]["burst"] = burst
-    limit = parse_limit(items, default_burst=1, source="LIMIT")
-    assert limit is not None  # a list of rates
-    # The workers' burst applies to a first token bucket given without one.
-    workers_burst = burst is None and bool(buckets) and buckets[0] is items[0]
-    return limit.rate, None if workers_burst else limit.burst, limit.quotas
 
 
 def _print_change(domain: str, change: Change) -> None:
