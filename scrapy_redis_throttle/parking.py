@@ -304,7 +304,7 @@ class ParkingArea:
         except Exception:
             logger.exception("Redis throttle: could not close the parking area")
             parked, dropped, dropped_from = 0, [], {}
-        await give_back_reservations([*unused, *dropped], self._unreserve, self._crawler.stats)
+        await unreserve_unused([*unused, *dropped], self._unreserve, self._crawler.stats)
         if self._keep and parked:
             logger.info("Redis throttle: %d parked requests are kept for the next run", parked)
         if not self._keep:
@@ -323,7 +323,7 @@ class ParkingArea:
             )
 
 
-async def give_back_reservations(
+async def unreserve_unused(
     unused: list[Unused], unreserve: Unreserve | None, stats: StatsCollector
 ) -> None:
     """Give the buckets back the moments reserved for requests that will not go at them
