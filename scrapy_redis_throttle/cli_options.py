@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 from importlib.metadata import version
 
 from scrapy.utils.conf import closest_scrapy_cfg
@@ -14,7 +13,15 @@ from scrapy.utils.project import get_project_settings
 
 from .config import SCOPE_ATTRIBUTE, SPIDER_ATTRIBUTE, ThrottleConfig
 from .errors import ThrottleConfigError
-from .rates import TOKEN_BUCKET, Quota, normalize_domain, parse_burst, parse_limit
+from .rates import (
+    HOST_PORT,
+    TOKEN_BUCKET,
+    Quota,
+    normalize_domain,
+    parse_burst,
+    parse_limit,
+    refuse_port,
+)
 from .redis_schema import ALGORITHM_CODES
 from .scopes import PROXY, proxy_budget
 
@@ -160,17 +167,11 @@ def domain(text: str, config: ThrottleConfig) -> str:
     proxies); a URL, or a port no worker's budget holds, is refused."""
     text = text.strip()
     proxies = PROXY in {scope.name for scope in (config.scope, *config.other_scopes)}
-    host = text.rpartition(":")[0]
-    if "/" not in text and _PORT.fullmatch(text) and host and not proxies:
-        raise ThrottleConfigError(
-            f"DOMAIN: {text!r:.200} has a port, but the workers keep a site's limit under its "
-            f"host alone ({host!r:.200}); a host:port names a proxy, in a project whose "
-            f"REDIS_THROTTLE_SCOPE counts proxies"
-        )
+    refuse_port(text, proxies=proxies, source="DOMAIN")
     try:
         if "/" in text or not text:
             raise ValueError
-        if _PORT.fullmatch(text):
+        if HOST_PORT.fullmatch(text):
             return proxy_budget(text)
         return normalize_domain(text)
     except ValueError:  # IDNA's own errors say less than this
@@ -178,10 +179,6 @@ def domain(text: str, config: ThrottleConfig) -> str:
             f"DOMAIN: expected a host name (or a redis_throttle_key, or a proxy's host:port), "
             f"{'not a URL' if '/' in text else 'got'}: {text!r:.200}"
         ) from None
-
-
-# host:port (an IPv6 address has more colons, unless in brackets).
-_PORT = re.compile(r"([^:]*|\[.*\]):[^:]*")
 
 
 def project_config(args: argparse.Namespace) -> ThrottleConfig:

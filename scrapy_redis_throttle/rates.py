@@ -33,6 +33,8 @@ _RATE_RE = re.compile(
 )
 _PER_SECOND_RE = re.compile(rf"^\s*{_NUMBER}\s*$")
 _PATTERN_RE = re.compile(r"^(\*\.)?[^\s*/]+$")
+# host:port (an IPv6 address has more colons, unless in brackets).
+HOST_PORT = re.compile(r"([^:]*|\[.*\]):[^:]*")
 
 
 # Bounds on a domain's limits, as lua/token_bucket.lua keeps its work per call bounded: at most
@@ -284,13 +286,27 @@ def normalize_domain(name: str) -> str:
     return name if name.isascii() else name.encode("idna").decode("ascii")
 
 
-def _parse_pattern(pattern: object, *, source: str) -> str:
+def refuse_port(name: str, *, proxies: bool, source: str) -> None:
+    """A site's limit is kept under its host alone: a limit's key *name* with a port names a
+    proxy (see :func:`.scopes.proxy_budget`), which only a project whose scopes count proxies
+    (*proxies*) has. ThrottleConfigError, naming *source*, for any other."""
+    host = name.rpartition(":")[0]
+    if "/" not in name and HOST_PORT.fullmatch(name) and host and not proxies:
+        raise ThrottleConfigError(
+            f"{source}: {name!r:.200} has a port, but the workers keep a site's limit under its "
+            f"host alone ({host!r:.200}); a host:port names a proxy, in a project whose "
+            f"REDIS_THROTTLE_SCOPE counts proxies"
+        )
+
+
+def _parse_pattern(pattern: object, *, source: str, proxies: bool) -> str:
     invalid = ThrottleConfigError(
-        f"{source}: invalid domain pattern {pattern!r}; expected a host name like "
-        f"'shop.example' or a wildcard like '*.cdn.example'"
+        f"{source}: invalid domain pattern {pattern!r:.200}; expected a host name like "
+        f"'shop.example' or a wildcard like '*.cdn.example' (no scheme, no path)"
     )
     if not isinstance(pattern, str) or not _PATTERN_RE.match(pattern):
         raise invalid
+    refuse_port(pattern, proxies=proxies, source=source)
     wildcard, name = ("*.", pattern[2:]) if pattern.startswith("*.") else ("", pattern)
     try:
         return wildcard + normalize_domain(name)
@@ -342,14 +358,19 @@ class LimitTable:
 
 
 def build_table(
-    entries: list[tuple[str, Mapping[Any, Any]]], default: Limit | None, default_burst: int
+    entries: list[tuple[str, Mapping[Any, Any]]],
+    default: Limit | None,
+    default_burst: int,
+    proxies: bool = False,
 ) -> LimitTable:
+    """The limits of *entries* (later ones override earlier ones), keyed by domain pattern;
+    a key with a port only where the scopes count proxies (*proxies*)."""
     exact: dict[str, Limit | None] = {}
     wildcards: dict[str, Limit | None] = {}
     for source, mapping in entries:  # later sources override earlier ones
         for raw_pattern, spec in mapping.items():
             where = f"{source}[{raw_pattern!r}]"
-            pattern = _parse_pattern(raw_pattern, source=where)
+            pattern = _parse_pattern(raw_pattern, source=where, proxies=proxies)
             limit = parse_limit(spec, default_burst=default_burst, source=where)
             if pattern.startswith("*."):
                 wildcards[pattern[2:]] = limit

@@ -19,6 +19,8 @@ import ast
 import re
 from pathlib import Path
 
+from scrapy_redis_throttle.config import SETTING_NAMES
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "scrapy_redis_throttle"
 REFERENCE = ROOT / "docs" / "reference"
@@ -73,6 +75,8 @@ def test_every_setting_is_documented_and_every_documented_setting_exists() -> No
     assert len(in_code) > 20, f"found too few settings in the package: {sorted(in_code)}"
     problems = _differences("settings", in_code, in_docs, "settings.rst")
     assert not problems, "\n".join(problems)
+    # The names a project may set: another one is refused at start-up.
+    assert set(SETTING_NAMES) == in_code, sorted(set(SETTING_NAMES) ^ in_code)
 
 
 def test_every_meta_key_is_documented_and_every_documented_key_exists() -> None:

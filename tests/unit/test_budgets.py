@@ -19,11 +19,11 @@ from scrapy_redis_throttle.crawl_delay import CrawlDelays
 from scrapy_redis_throttle.domains import Domains
 from scrapy_redis_throttle.rejections import Rejections
 
-RATES = {"a.example": "2/s", "b.example": {"rate": "1/s", "burst": 3}, "proxy.example:8080": "5/s"}
+RATES = {"a.example": "2/s", "b.example": {"rate": "1/s", "burst": 3}}
 
 
 def budgets(**settings: Any) -> tuple[Budgets, Any]:
-    config = ThrottleConfig.from_settings(Settings({"REDIS_THROTTLE_RATES": RATES, **settings}))
+    config = ThrottleConfig.from_settings(Settings({"REDIS_THROTTLE_RATES": RATES} | settings))
     collector = stats()
     domains = Domains(config.scope, collector, 1.0, config.other_scopes)
     crawl_delays = CrawlDelays(get_crawler(), config, Rejections(collector, dict), dict, domains)
@@ -53,7 +53,10 @@ async def test_an_unlimited_domain_is_not_throttled() -> None:
 
 @async_test
 async def test_the_proxys_budget_is_drawn_on_too() -> None:
-    resolver, _ = budgets(REDIS_THROTTLE_SCOPE=["host", "proxy"])
+    resolver, _ = budgets(
+        REDIS_THROTTLE_SCOPE=["host", "proxy"],
+        REDIS_THROTTLE_RATES={**RATES, "proxy.example:8080": "5/s"},
+    )
     request = Request("http://a.example/1", meta={"proxy": "http://proxy.example:8080"})
     budget = await resolver.of(request)
     assert budget is not None

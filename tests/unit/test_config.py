@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -564,3 +565,49 @@ def test_a_live_limit_applies_its_fields_over_the_workers_own(
     own = None if code is None else parse_limit(code, default_burst=1, source="test")
     limit = parsed.over(own)
     assert (None if limit is None else (limit.rate, limit.burst)) == applied
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("REDIS_THROTTLE_RATE", "did you mean REDIS_THROTTLE_RATES?"),
+        ("REDIS_THROTTLE_MAX_HOLDS", "did you mean REDIS_THROTTLE_MAX_HOLD?"),
+        ("REDIS_THROTTLE_XYZZY", "is no setting of scrapy-redis-throttle (every setting"),
+    ],
+)
+def test_a_name_that_is_no_setting_is_refused_with_the_closest(name: str, message: str) -> None:
+    with pytest.raises(
+        ThrottleConfigError,
+        match=re.escape(f"{name} {message}" if "mean" not in message else message),
+    ):
+        ThrottleConfig.from_settings(Settings({name: "5/s"}))
+
+
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [
+        (
+            "127.0.0.2:8000",
+            "'127.0.0.2:8000' has a port, but the workers keep a site's limit under its host alone ('127.0.0.2')",
+        ),
+        ("http://shop.example", "invalid domain pattern 'http://shop.example'"),
+        ("shop.example/catalog", "invalid domain pattern 'shop.example/catalog'"),
+    ],
+)
+def test_a_limit_key_with_a_port_a_scheme_or_a_path_is_refused(key: str, message: str) -> None:
+    """The workers keep a site's limit under its host name alone: such a key would never apply."""
+    with pytest.raises(
+        ThrottleConfigError, match=re.escape(f"spider attribute redis_throttle_rates[{key!r}]: ")
+    ) as refused:
+        ThrottleConfig.from_settings(Settings(), spider_rates={key: "5/s"})
+    assert message in str(refused.value)
+
+
+def test_a_proxy_s_host_and_port_is_a_key_where_the_scopes_count_proxies() -> None:
+    config = ThrottleConfig.from_settings(
+        Settings({"REDIS_THROTTLE_SCOPE": ["host", "proxy"]}),
+        spider_rates={"proxy.example:8080": "5/s"},
+    )
+    limit = config.limits.lookup("proxy.example:8080")
+    assert limit is not None
+    assert limit.rate == 5
