@@ -44,7 +44,7 @@ def announce(
     with REDIS_THROTTLE_GC_FREEZE."""
     for line in describe_setup(config, parking, fallback, crawl_delays):
         logger.info("Redis throttle: %s", line, extra=extra)
-    for warning in setup_warnings(config):
+    for warning in setup_warnings(config, parking):
         logger.warning("Redis throttle: %s", warning, extra=extra)
     frozen = freeze_startup_objects() if config.gc_freeze else 0
     if frozen:
@@ -105,18 +105,27 @@ def describe_setup(
     return lines
 
 
-def setup_warnings(config: ThrottleConfig) -> list[str]:
-    """Scrapy's per-process politeness settings that fight the shared budget, each with the
-    setting to change (the slot settings that hold a domain below its budget are warned of per
-    domain, see :mod:`.slot_caps`)."""
-    if not config.crawl.autothrottle:
-        return []
-    return [
-        "AUTOTHROTTLE_ENABLED = True sets each worker's own delay per download slot from its "
-        "own latencies, which fights the shared budget: set AUTOTHROTTLE_ENABLED = False "
-        "(REDIS_THROTTLE_ADAPTIVE_ENABLED = True slows a struggling domain down for the whole "
-        "fleet)"
-    ]
+def setup_warnings(config: ThrottleConfig, parking: ParkingArea | None) -> list[str]:
+    """What in this set-up works against a fleet sharing its budgets, each with the setting to
+    change: a scheduler whose queue is this process's (requests parked in memory: the workers
+    share no queue), and Scrapy's per-process politeness settings that fight the shared budget
+    (the slot settings that hold a domain below its budget are warned of per domain, see
+    :mod:`.slot_caps`)."""
+    warnings = []
+    if parking is not None and not isinstance(parking.store, RedisParking):
+        warnings.append(
+            "the scheduler is not scrapy-redis's: each worker crawls a queue of its own, and "
+            "the workers do not share one (they share the budgets only): set SCHEDULER = "
+            "'scrapy_redis.scheduler.Scheduler' for a fleet"
+        )
+    if config.crawl.autothrottle:
+        warnings.append(
+            "AUTOTHROTTLE_ENABLED = True sets each worker's own delay per download slot from "
+            "its own latencies, which fights the shared budget: set AUTOTHROTTLE_ENABLED = "
+            "False (REDIS_THROTTLE_ADAPTIVE_ENABLED = True slows a struggling domain down for "
+            "the whole fleet)"
+        )
+    return warnings
 
 
 def _slot_line(config: ThrottleConfig) -> str | None:

@@ -427,16 +427,18 @@ async def test_the_start_up_says_what_the_set_up_does_and_warns_of_settings_that
     assert "paced in this process at 1/1 of its rate (the 1 worker last seen live)" in summary
     assert not [m for m in messages if "REDIS_THROTTLE_DOWNLOAD_SLOT" in m], "nothing taken"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 2, warnings
-    assert "set AUTOTHROTTLE_ENABLED = False" in warnings[0]
-    assert warnings[1].startswith(
+    assert len(warnings) == 3, warnings
+    assert "the workers do not share one (they share the budgets only)" in warnings[0]
+    assert "set AUTOTHROTTLE_ENABLED = False" in warnings[1]
+    assert warnings[2].startswith(
         f"Redis throttle: DOWNLOAD_DELAY = 0.5 lets each worker send '{A}' one request every "
         f"0.5 s: with 1 worker(s), at most 2/s, below its shared limit 5/s (burst 3)"
-    ), warnings[1]
+    ), warnings[2]
 
     caplog.clear()
     await run_crawl(crawl_settings(redis_server.url), pages(site, A, 1))
-    assert [r for r in caplog.records if r.levelno == logging.WARNING] == [], "no fight: silent"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, "no fight: the scheduler's alone"
 
 
 @pytest.mark.parametrize("own_slot", [True, False], ids=["add-on", "both-layers"])
