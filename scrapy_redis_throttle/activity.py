@@ -78,8 +78,9 @@ FIRST_COUNT_DELAY = 0.25
 
 
 class Activity:
-    """This worker's requests per domain, reported to Redis every *interval* seconds
-    (0: never, and nothing is counted), and its place in the fleet."""
+    """This worker's requests per domain, reported to Redis every *interval* seconds (0:
+    never), and told in the log's summary if *summarized* (see :mod:`.log_summary`); nothing is
+    counted for neither. And its place in the fleet."""
 
     def __init__(
         self,
@@ -89,6 +90,7 @@ class Activity:
         stats: StatsCollector,
         log_extra: Callable[[], dict[str, Any]],
         clock: Clock,
+        summarized: bool = False,
     ) -> None:
         self._redis = redis
         self._clock = clock
@@ -103,7 +105,13 @@ class Activity:
         self._sizes: deque[tuple[float, int]] = deque()
         self._fleet_refused = False
         self._log_extra = log_extra
+        self._counting = bool(interval) or summarized
+        self._summarized = summarized
         self._went: defaultdict[str, deque[float]] = defaultdict(deque)
+        # Since the log's last summary, per domain: the longest wait of a request sent, and the
+        # limit the last one went under.
+        self._longest: dict[str, float] = {}
+        self._limits: dict[str, str] = {}
         self._held: Counter[str] = Counter()
         self._parked: Counter[str] = Counter()  # not sent yet
         self._reporter: asyncio.Task[None] | None = None
@@ -120,18 +128,23 @@ class Activity:
         that long after its last call."""
         return max((size for _, size in self._sizes), default=None)
 
-    def went(self, domain: str) -> None:
-        """A request of *domain* left for the download."""
-        if self._interval:
-            now = self._clock.monotonic()
-            times = self._went[domain]
-            times.append(now)
-            _forget_before(times, now - RECENT)
+    def went(self, domain: str, waited: float = 0.0, limit: str = "") -> None:
+        """A request of *domain* left for the download, after *waited* seconds, under *limit*
+        (see :func:`.waiting._limit_in_force`)."""
+        if not self._counting:
+            return
+        now = self._clock.monotonic()
+        times = self._went[domain]
+        times.append(now)
+        _forget_before(times, now - RECENT)
+        if self._summarized:
+            self._longest[domain] = max(waited, self._longest.get(domain, 0.0))
+            self._limits[domain] = limit
 
     @contextmanager
     def holding(self, domain: str) -> Iterator[None]:
         """A request of *domain* waits in the middleware meanwhile."""
-        if not self._interval:
+        if not self._counting:
             yield
             return
         self._held[domain] += 1
@@ -156,6 +169,18 @@ class Activity:
                 del self._went[domain]
         domains = sorted(set(self._went) | set(self._held))
         return {domain: [len(self._went.get(domain, ())), self._held[domain]] for domain in domains}
+
+    def summary(self) -> dict[str, tuple[int, int, float, str | None]]:
+        """Per domain with any activity: requests in the last minute, held now, the longest
+        wait and the limit of the last request sent since the last summary (None: none went);
+        those two start again."""
+        summary = {
+            domain: (went, held, self._longest.get(domain, 0.0), self._limits.get(domain))
+            for domain, (went, held) in self.report().items()
+        }
+        self._longest.clear()
+        self._limits.clear()
+        return summary
 
     async def start(self) -> None:
         """Count this worker in the fleet (before the first request, so that the fleet's size

@@ -58,6 +58,8 @@ DEFAULT_MAX_RESERVE = 300.0
 # second. A probe is one PING a worker, one at a time.
 DEFAULT_PROBE_INTERVAL = 0.5
 DEFAULT_REPORT_INTERVAL = 5.0
+# Scrapy's LOGSTATS_INTERVAL is 60 s too.
+DEFAULT_LOG_INTERVAL = 60.0
 # A worker that renews nothing for this long is taken for dead (a full GC, a slow Redis, a busy
 # reactor last far less).
 DEFAULT_LEASE_TTL = 30.0
@@ -192,6 +194,7 @@ SETTING_NAMES = frozenset(
         "REDIS_THROTTLE_GC_FREEZE",
         "REDIS_THROTTLE_KEY_PREFIX",
         "REDIS_THROTTLE_LEASE_TTL",
+        "REDIS_THROTTLE_LOG_INTERVAL",
         "REDIS_THROTTLE_MAX_CRAWL_DELAY",
         "REDIS_THROTTLE_MAX_HOLD",
         "REDIS_THROTTLE_MAX_PAUSE",
@@ -304,6 +307,8 @@ class ThrottleConfig:
     """Seconds without renewal after which a worker's leases expire (see :mod:`.leases`)."""
     report_interval: float
     """Seconds between two reports of this worker's activity to Redis (0: none)."""
+    log_interval: float
+    """Seconds between two lines of the log's summary (see :mod:`.log_summary`); 0: none."""
     crawl: CrawlSettings
     """The settings of Scrapy and scrapy-redis the throttle works with."""
     gc_freeze: bool
@@ -394,6 +399,9 @@ class ThrottleConfig:
             ),
             max_hold=get_seconds(settings, "REDIS_THROTTLE_MAX_HOLD", DEFAULT_MAX_HOLD, minimum=0),
             lease_ttl=get_seconds(settings, "REDIS_THROTTLE_LEASE_TTL", DEFAULT_LEASE_TTL, 3),
+            log_interval=get_seconds(
+                settings, "REDIS_THROTTLE_LOG_INTERVAL", DEFAULT_LOG_INTERVAL, minimum=0
+            ),
             report_interval=get_seconds(
                 settings, "REDIS_THROTTLE_REPORT_INTERVAL", DEFAULT_REPORT_INTERVAL, minimum=0
             ),

@@ -25,6 +25,7 @@ from .connection import close, connect
 from .crawl_delay import CrawlDelays
 from .domains import Domains
 from .engine_hooks import attach_parking
+from .log_summary import LogSummary
 from .metrics import CANCELED, REJECTED, UNTHROTTLED, ThrottleMetrics, WorkerState
 from .metrics_endpoint import serve
 from .pauses import Pauses
@@ -80,7 +81,13 @@ class Throttle:
         self.redis = connect(config)
         log_extra = self._log_extra
         self.activity = Activity(
-            self.redis, config.key_prefix, config.report_interval, stats, log_extra, clock
+            self.redis,
+            config.key_prefix,
+            config.report_interval,
+            stats,
+            log_extra,
+            clock,
+            summarized=bool(config.log_interval),
         )
         self.bucket = ResilientBucket(
             self.redis, config, stats, log_extra, clock, self.activity, scripts
@@ -109,6 +116,9 @@ class Throttle:
             longest=max(config.backoff.longest, config.max_reserve),
             clock=clock,
             state=self.bucket.guard,
+        )
+        self.log_summary = LogSummary(
+            config.log_interval, self.activity, self.budgets, self.pauses, log_extra, clock
         )
         self.turns = Turns(
             config, self.bucket, self.pauses, self.activity, stats, self.metrics, log_extra, clock
@@ -143,6 +153,7 @@ class Throttle:
         await self.pauses.start()
         # Counts this worker in the fleet before the first request: the "local" policy's share.
         await self.activity.start()
+        self.log_summary.start()
         self.metrics_endpoint = serve(self.config.metrics, self.metrics.snapshot, self._log_extra)
         self._close_watch = asyncio.get_running_loop().create_task(self._watch_the_close())
         announce(
@@ -161,6 +172,7 @@ class Throttle:
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.close()
         self.domains.close()
+        await self.log_summary.stop()
         await self.pauses.stop()
         await self.activity.stop()
         await self.bucket.aclose()

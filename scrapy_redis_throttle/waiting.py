@@ -16,6 +16,7 @@ from .fallback import Source
 from .metrics import ACQUIRED, PAUSED_LIVE, UNTHROTTLED
 from .moments import Moments
 from .parking import RELEASE_AHEAD
+from .rates import format_rate
 from .stats import STATS_PREFIX
 from .tickets import OTHERS_META, Ticket
 
@@ -191,6 +192,8 @@ class Turns:
         return ticket, lend
 
     def _log_wait(self, request: Request, budget: RequestBudget, grant: Grant) -> None:
+        reservation = grant.result.reservation if grant.shared else None
+        limit = _limit_in_force(budget, _rate_in_force(budget, reservation))
         why = {
             Source.HANDOVER: ", keeping to this worker's share just after an outage",
             Source.WAIT: ", until Redis answers",
@@ -203,7 +206,7 @@ class Turns:
                 "request": request,
                 "delay": grant.result.retry_after,
                 "domain": budget.domain,
-                "limit": budget.limit,
+                "limit": limit,
                 "others": "".join(f" and {name!r} ({each})" for name, each in budget.others),
                 "why": why,
             },
@@ -224,19 +227,19 @@ class Turns:
         the ``"open"`` policy."""
         stats = self._stats
         domain = budget.domain
-        self._activity.went(domain)
         if self._config.adaptive is not None:
             request.meta[SENT_META] = self._clock.monotonic()
         stats.inc_value(f"{STATS_PREFIX}/requests")
         # Wall time: a parked request may have been first seen in another process.
         waited = max(0.0, self._clock.wall() - since)
+        rate = _rate_in_force(budget, reservation)
+        self._activity.went(domain, waited, _limit_in_force(budget, rate))
         self._metrics.went(
             domain,
             UNTHROTTLED if unthrottled else ACQUIRED,
             waited,
             budget.limit.sustained_rate,
-            # The µs its tokens added to the bucket: the interval in force, times the cost.
-            budget.cost * 1e6 / reservation.step if reservation and reservation.step else None,
+            rate,
         )
         if not delayed:
             stats.inc_value(f"{STATS_PREFIX}/allowed_immediately")
@@ -292,6 +295,23 @@ class Turns:
             moment_us=result.moment_us if result.reserved and grant.shared else None,
             reservation=reservation,
         )
+
+
+def _rate_in_force(budget: RequestBudget, reservation: Reservation | None) -> float | None:
+    """The rate Redis paced a request of *budget* at (requests per second; None: not told):
+    the µs its tokens added to the bucket are the interval in force, times its cost. A limit
+    set live, or the adaptive rate, may make it another than the configured one."""
+    if reservation is None or not reservation.step:
+        return None
+    return budget.cost * 1e6 / reservation.step
+
+
+def _limit_in_force(budget: RequestBudget, rate: float | None) -> str:
+    """The limit a request of *budget* went under, for the log: the *rate* Redis paced it at
+    where that is another than the configured one, else the configured one."""
+    if rate is None or format_rate(rate) == format_rate(budget.limit.sustained_rate):
+        return str(budget.limit)
+    return f"{format_rate(rate)} in force ({budget.limit} configured)"
 
 
 def _robots(request: Request) -> bool:

@@ -43,6 +43,10 @@ REDIS_THROTTLE_FALLBACK_AFTER = 5.0
 # free port of this range (its log names it); `scrapy-redis-throttle exporter --port 9409` serves
 # the fleet's state in Redis. See docs/reference/metrics.rst, and docs/grafana/ for a dashboard.
 REDIS_THROTTLE_METRICS_PORT = [9410, 9499]
+# Every REDIS_THROTTLE_LOG_INTERVAL seconds (60 by default; 0: never), each worker logs one INFO
+# line on its busiest domains: the limit each went under, a pause under way, the requests sent
+# over the last minute, those waiting and the longest wait. The demo's crawls are short.
+REDIS_THROTTLE_LOG_INTERVAL = 10
 # Each worker freezes its start-up's objects out of Python's garbage collector when the spider
 # opens (REDIS_THROTTLE_GC_FREEZE, on by default), so that full collections do not stall it
 # for 50-250 ms while its requests are on their way; False leaves the collector alone.
