@@ -114,6 +114,9 @@ class Activity:
         self._limits: dict[str, str] = {}
         self._held: Counter[str] = Counter()
         self._parked: Counter[str] = Counter()  # not sent yet
+        # Since when (monotonic time) this worker counts what went (None: not yet): its
+        # reports' "last minute" is shorter until a minute later.
+        self._counting_since: float | None = None
         self._reporter: asyncio.Task[None] | None = None
         self._parked_script = lua_script(redis, "parked.lua")
         self._fleet_script = lua_script(redis, "fleet.lua")
@@ -134,6 +137,8 @@ class Activity:
         if not self._counting:
             return
         now = self._clock.monotonic()
+        if self._counting_since is None:
+            self._counting_since = now
         times = self._went[domain]
         times.append(now)
         _forget_before(times, now - RECENT)
@@ -161,14 +166,20 @@ class Activity:
             self._parked[domain] += change
 
     def report(self) -> dict[str, list[int]]:
-        """Per domain with any activity: [requests in the last minute, held now]."""
-        since = self._clock.monotonic() - RECENT
+        """Per domain with any activity: [requests in the last minute, held now, the ms that
+        "last minute" is (shorter in this worker's first minute)]."""
+        now = self._clock.monotonic()
         for domain, times in list(self._went.items()):
-            _forget_before(times, since)
+            _forget_before(times, now - RECENT)
             if not times:
                 del self._went[domain]
+        since = now if self._counting_since is None else self._counting_since
+        counted_ms = round(1000 * min(RECENT, now - since))
         domains = sorted(set(self._went) | set(self._held))
-        return {domain: [len(self._went.get(domain, ())), self._held[domain]] for domain in domains}
+        return {
+            domain: [len(self._went.get(domain, ())), self._held[domain], counted_ms]
+            for domain in domains
+        }
 
     def summary(self) -> dict[str, tuple[int, int, float, str | None]]:
         """Per domain with any activity: requests in the last minute, held now, the longest
@@ -176,7 +187,7 @@ class Activity:
         those two start again."""
         summary = {
             domain: (went, held, self._longest.get(domain, 0.0), self._limits.get(domain))
-            for domain, (went, held) in self.report().items()
+            for domain, (went, held, _) in self.report().items()
         }
         self._longest.clear()
         self._limits.clear()
@@ -185,6 +196,7 @@ class Activity:
     async def start(self) -> None:
         """Count this worker in the fleet (before the first request, so that the fleet's size
         is known if Redis fails early), then report every interval."""
+        self._counting_since = self._clock.monotonic()
         await self._count_in()
         self._reporter = asyncio.ensure_future(self._report_every_interval())
 

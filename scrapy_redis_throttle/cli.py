@@ -75,6 +75,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             _export(control, args)
         else:
             status_view.show(control, config, args)
+        if args.spider_unknown and args.command in ("get", "status"):
+            print(
+                "scrapy-redis-throttle: the project has several spiders: their "
+                "redis_throttle_rates are not shown (give --spider NAME)",
+                file=sys.stderr,
+            )
         for problem in control.problems:
             print(f"scrapy-redis-throttle: {UNREADABLE_NOTE}{problem}", file=sys.stderr)
     except (redis.RedisError, RedisClusterException) as exc:

@@ -198,6 +198,7 @@ def project_config(args: argparse.Namespace) -> ThrottleConfig:
     # The tool works on the fleet's Redis even where these settings turn the throttle off.
     settings.set("REDIS_THROTTLE_ENABLED", True, priority="cmdline")
     spider = None
+    args.spider_unknown = False
     if args.spider:
         from scrapy.spiderloader import get_spider_loader
 
@@ -205,6 +206,16 @@ def project_config(args: argparse.Namespace) -> ThrottleConfig:
             spider = get_spider_loader(settings).load(args.spider)
         except KeyError as exc:
             raise ThrottleConfigError(f"--spider: no spider named {args.spider!r}") from exc
+    elif args.in_project:
+        from scrapy.spiderloader import get_spider_loader
+
+        # The project's one spider gives the limits the workers have: without it, its
+        # redis_throttle_rates would be unknown, and each domain shown at the default.
+        loader = get_spider_loader(settings)
+        names = loader.list()
+        if len(names) == 1:
+            spider = loader.load(names[0])
+        args.spider_unknown = len(names) > 1
     return ThrottleConfig.from_settings(
         settings,
         spider_rates=getattr(spider, SPIDER_ATTRIBUTE, None),

@@ -122,6 +122,9 @@ class FleetActivity(NamedTuple):
     """Requests held in the workers' middlewares now."""
     parked: int
     """Requests parked now."""
+    counted: float = RECENT
+    """Seconds the workers counted what went over (their "last minute": shorter in the fleet's
+    first minute)."""
 
     @property
     def waiting(self) -> int:
@@ -129,8 +132,9 @@ class FleetActivity(NamedTuple):
 
     @property
     def achieved_rate(self) -> float:
-        """Requests per second over the last minute."""
-        return self.went / RECENT
+        """Requests per second over the last minute, or over the time the fleet has run if
+        that is shorter."""
+        return self.went / self.counted if self.counted else 0.0
 
 
 @dataclass(frozen=True)
@@ -252,19 +256,24 @@ class LiveControl:
         for report in reports:
             pipeline.get(report)
         parked, *replies = pipeline.execute()
-        totals: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+        totals: defaultdict[str, list[float]] = defaultdict(lambda: [0, 0, 0, 0.0])
         for domain, count in parked.items():
             # A parked request taken back before its park was reported counts -1 for a while.
             waiting = self._read(f"parked count {count!r:.60}", _count, count, absent=0, least=0)
             totals[key_tag(_text(domain))][2] += max(0, waiting)
         for report, reply in zip(reports, replies, strict=True):
             what = f"worker report {_text(report)!r:.100}"
-            entries: list[tuple[str, int, int]] = self._read(what, _report, reply, absent=[])
-            for domain, went, held in entries:
+            entries: list[tuple[str, int, int, float]] = self._read(what, _report, reply, absent=[])
+            for domain, went, held, counted in entries:
                 total = totals[key_tag(domain)]
                 total[0] += went
                 total[1] += held
-        return {tag: FleetActivity(*counts) for tag, counts in totals.items()}
+                # The fleet has run as long as its longest-running worker.
+                total[3] = max(total[3], counted)
+        return {
+            tag: FleetActivity(int(went), int(held), int(parked), counted or RECENT)
+            for tag, (went, held, parked, counted) in totals.items()
+        }
 
     def _read(
         self, what: str, parse: Callable[..., _T], value: Any, absent: _T, **options: Any
@@ -332,18 +341,24 @@ def _adaptive_rate(value: bytes | None, now: float) -> float | None:
     return rate + slope * max(0.0, now - since)
 
 
-def _report(value: bytes | None) -> list[tuple[str, int, int]]:
-    """A worker's report (see :meth:`.activity.Activity.report`): ``{domain: [went, held]}``;
-    None: expired since it was listed."""
+def _report(value: bytes | None) -> list[tuple[str, int, int, float]]:
+    """A worker's report (see :meth:`.activity.Activity.report`): ``{domain: [went, held,
+    counted_ms]}`` (a worker of an earlier version sends no counted_ms: a minute); None:
+    expired since it was listed."""
     if value is None:
         return []
     entries = json.loads(value)
     if not isinstance(entries, dict):
         raise ValueError("not a JSON object")
-    return [
-        (domain, _count(went, least=0), _count(held, least=0))
-        for domain, (went, held) in entries.items()
-    ]
+    return [_entry(domain, counts) for domain, counts in entries.items()]
+
+
+def _entry(domain: str, counts: object) -> tuple[str, int, int, float]:
+    if not isinstance(counts, list) or len(counts) not in (2, 3):
+        raise ValueError(f"{counts!r:.60} is not [went, held] or [went, held, counted_ms]")
+    went, held = _count(counts[0], least=0), _count(counts[1], least=0)
+    counted_ms = _count(counts[2], least=0) if len(counts) == 3 else RECENT * 1000
+    return domain, went, held, min(RECENT, counted_ms / 1000)
 
 
 def _finite(value: bytes | str | float) -> float:

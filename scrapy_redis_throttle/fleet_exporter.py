@@ -63,7 +63,11 @@ class FleetCollector:
         gauges = {
             name: GaugeMetricFamily(f"{PREFIX}_{name}", text, labels=["domain"])
             for name, text in (
-                ("achieved_rate", "Requests per second the fleet sent, over the last minute"),
+                (
+                    "achieved_rate",
+                    "Requests per second the fleet sent, over the last minute (or the time the "
+                    "fleet has run, if shorter)",
+                ),
                 ("parked_requests", "Requests parked in the fleet's parking set"),
                 ("live_rate", "A rate set live (scrapy-redis-throttle set)"),
                 ("paused_live", "1 while the domain is paused live"),

@@ -386,7 +386,7 @@ def test_the_tool_shows_what_it_can_read_and_names_what_it_cannot(
             if adaptive is not None:
                 client.set(rate_key(prefix, domain), adaptive)
         client.set(f"{prefix}:worker:w1", b"not json")
-        client.set(f"{prefix}:worker:w2", b'{"good.example": [1, 2, 3]}')
+        client.set(f"{prefix}:worker:w2", b'{"good.example": [1, 2, 3, 4]}')
         client.set(f"{prefix}:worker:w3", b'{"good.example": [true, -1]}')
         client.set(f"{prefix}:worker:w4", b'{"good.example": [4, 1]}')
         client.hset(f"{prefix}:parked", mapping={"good.example": "many"})

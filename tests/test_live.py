@@ -207,14 +207,16 @@ def test_the_command_line_tool(redis_server: RedisServer, tmp_path: Path) -> Non
         assert (done.returncode, done.stdout, done.stderr) == (0, output, ""), args
 
 
+@pytest.mark.parametrize("spider", [["--spider", "shop"], []], ids=["--spider", "its-one-spider"])
 def test_status_shows_the_active_domains_with_the_project_limits(
-    redis_server: RedisServer,
+    redis_server: RedisServer, spider: list[str]
 ) -> None:
+    """Without --spider, the project's one spider gives the limits (its burst of 3 here)."""
     with redis_server.client() as client:
         control = LiveControl(client, "redis_throttle")
         control.set("127.0.0.3", 1, None)
         control.pause("127.0.0.4")
-    done = tool("--redis-url", redis_server.url, "--spider", "shop", "status", cwd=EXAMPLE_PROJECT)
+    done = tool("--redis-url", redis_server.url, *spider, "status", cwd=EXAMPLE_PROJECT)
     assert done.returncode == 0, done.stderr
     live, *lines = [line.split("  ") for line in done.stdout.splitlines()]
     assert live == ["0 workers live"]
@@ -499,7 +501,8 @@ def test_the_exporter_and_status_show_a_running_fleet(
         assert value(last, "scrapy_redis_throttle_live_rate", domain=B) == 3
         assert value(last, "scrapy_redis_throttle_paused_live", domain=B) == 0
         [a] = [row for row in statuses[-1]["domains"] if row["domain"] == A]
-        assert a["achieved_rate"] == a["last_minute"] / 60
+        # Over the time the fleet has run, under a minute here: not the last minute's count / 60.
+        assert a["achieved_rate"] > a["last_minute"] / 60 > 0
         for worker in workers:
             worker.send_signal(signal.SIGINT)
         finish_crawl_workers(workers, 60)
