@@ -501,7 +501,8 @@ def needs_extra(what: str, module: str, extra: str) -> None:
         importlib.import_module(module)
     except ImportError:
         raise ThrottleConfigError(
-            f"{what} needs {module.partition('.')[0]}: pip install 'scrapy-redis-throttle[{extra}]'"
+            f"{what} needs {module.partition('.')[0]}: install the {extra!r} extra (from a "
+            f"checkout of scrapy-redis-throttle: pip install './scrapy-redis-throttle[{extra}]')"
         ) from None
 
 

@@ -12,7 +12,9 @@ each worker stops once the frontier has been empty for a few seconds
 
 from __future__ import annotations
 
+import json
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -75,8 +77,12 @@ def test_the_readme_s_quick_start_crawls_politely_and_uses_the_budget(
     for name, domain in NAMES.items():
         spider = spider.replace(f'"{name}"', f'"{domain.host}"')
     (project / "shop" / "spiders" / "shop.py").write_text(spider, encoding="utf-8")
-    start_urls = seed[0].split()[3:]
-    command = re.fullmatch(r"for n in 1 2 3; do (scrapy crawl shop .*) & done", seed[1])
+    start_urls = [json.loads(seed_request)["url"] for seed_request in shlex.split(seed[0])[3:]]
+    # Each worker's command, which prints the end of its log if it fails.
+    command = re.fullmatch(
+        r"for n in 1 2 3; do \((scrapy crawl shop [^|]*) \|\| tail -n 3 worker-\$n\.log\) & done",
+        seed[1],
+    )
     assert command, seed[1]
 
     overload = {domain.host: domain.overload() for domain in NAMES.values()}

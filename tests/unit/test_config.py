@@ -500,8 +500,9 @@ def test_the_metrics_port_is_a_port_or_a_range(port: object, ports: object) -> N
 def test_a_setting_that_needs_a_missing_extra_says_what_to_install() -> None:
     with pytest.raises(
         ThrottleConfigError,
-        match=r"^REDIS_THROTTLE_METRICS_PORT needs not_installed_here: "
-        r"pip install 'scrapy-redis-throttle\[metrics\]'$",
+        match=r"^REDIS_THROTTLE_METRICS_PORT needs not_installed_here: install the 'metrics' "
+        r"extra \(from a checkout of scrapy-redis-throttle: "
+        r"pip install './scrapy-redis-throttle\[metrics\]'\)$",
     ):
         needs_extra("REDIS_THROTTLE_METRICS_PORT", "not_installed_here.client", "metrics")
 
