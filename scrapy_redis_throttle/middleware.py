@@ -7,6 +7,7 @@ reference (``docs/reference/settings.rst``); its meta keys in ``docs/reference/m
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from scrapy import signals
@@ -24,16 +25,24 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 
+logger = logging.getLogger(__name__)
+
+
 class RedisThrottleMiddleware:
     def __init__(self, crawler: Crawler) -> None:
-        config = ThrottleConfig.from_crawler(crawler)
-        if not is_asyncio_available():
-            raise ThrottleConfigError(
-                "scrapy-redis-throttle needs the asyncio reactor, or none (TWISTED_REACTOR_ENABLED "
-                "= False, Scrapy 2.15+): set TWISTED_REACTOR = "
-                "'twisted.internet.asyncioreactor.AsyncioSelectorReactor' (Scrapy's default), "
-                f"got {config.crawl.twisted_reactor!r}"
-            )
+        try:
+            config = ThrottleConfig.from_crawler(crawler)
+            if not is_asyncio_available():
+                raise ThrottleConfigError(
+                    "scrapy-redis-throttle needs the asyncio reactor, or none "
+                    "(TWISTED_REACTOR_ENABLED = False, Scrapy 2.15+): set TWISTED_REACTOR = "
+                    "'twisted.internet.asyncioreactor.AsyncioSelectorReactor' (Scrapy's "
+                    f"default), got {config.crawl.twisted_reactor!r}"
+                )
+        except ThrottleConfigError as exc:
+            # One line where the user looks, before Scrapy's traceback of it.
+            logger.error("Redis throttle: the worker stops: %s", exc)
+            raise
         self.throttle = Throttle(crawler, config, Clock())
         crawler.signals.connect(self._spider_opened, signal=signals.spider_opened)
         crawler.signals.connect(self._spider_closed, signal=signals.spider_closed)

@@ -11,14 +11,17 @@ decides.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
+from redis.exceptions import RedisError
 from scrapy.core.scheduler import BaseScheduler
 from scrapy.utils.defer import deferred_from_coro, maybe_deferred_to_future
 from scrapy.utils.misc import build_from_crawler
 
 from .config import inner_scheduler
 from .leases import LEASE_META
+from .redis_settings import queue_redis_location
 from .scrapy_internals import waits_when_idle, without_idle_wait
 
 if TYPE_CHECKING:
@@ -28,6 +31,8 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
     from .parking import ParkingArea
+
+logger = logging.getLogger(__name__)
 
 # The methods of the project's scheduler that parking takes part in.
 PARKING_METHODS = ("enqueue_request", "next_request", "has_pending_requests", "close")
@@ -61,8 +66,23 @@ class ParkingScheduler(BaseScheduler):
     @classmethod
     def from_crawler(cls, crawler: Crawler) -> Self:
         """The scheduler ``REDIS_THROTTLE_SCHEDULER`` names, built as Scrapy builds its
-        ``SCHEDULER``, composed with parking."""
-        return cls(build_from_crawler(inner_scheduler(crawler.settings, ParkingScheduler), crawler))
+        ``SCHEDULER``, composed with parking. scrapy-redis's reaches its Redis there: if that
+        fails, the worker cannot crawl (its queue is in that Redis), and stops; one ERROR line
+        says why before Scrapy's own traceback, which ends in a secondary error."""
+        inner = inner_scheduler(crawler.settings, ParkingScheduler)
+        try:
+            return cls(build_from_crawler(inner, crawler))
+        except RedisError as exc:
+            logger.error(
+                "Redis throttle: the worker stops: %(scheduler)s cannot reach its Redis at "
+                "%(url)s (REDIS_URL): %(error)s",
+                {
+                    "scheduler": f"{inner.__module__}.{inner.__qualname__}",
+                    "url": queue_redis_location(crawler.settings),
+                    "error": f"{type(exc).__name__}: {exc}",
+                },
+            )
+            raise
 
     def park_with(self, area: ParkingArea) -> None:
         self._area = area

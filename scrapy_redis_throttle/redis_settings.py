@@ -119,6 +119,14 @@ def read_redis_url(settings: BaseSettings, own_setting: str | None = "REDIS_THRO
     return f"redis://{host}:{port}/{db}"
 
 
+def queue_redis_location(settings: BaseSettings) -> str:
+    """scrapy-redis's own Redis, as the logs name it (its password hidden)."""
+    try:
+        return redact_url(read_redis_url(settings, own_setting=None))
+    except ThrottleConfigError as exc:
+        return f"(unreadable: {exc})"
+
+
 def queue_redis_connection(settings: BaseSettings) -> tuple[str, dict[str, Any]]:
     """URL and asyncio client parameters of scrapy-redis's own Redis (its queue), read as
     ``scrapy_redis.connection.get_redis_from_settings`` reads them: with scrapy-redis's
