@@ -146,7 +146,7 @@ class AcrossNodes:
         async with self.locks.of(budget.name for budget in budgets):
             # The requests that waited for a call that failed do not call the node again, each
             # in turn, for as long as a call takes to fail.
-            if self._breaker is not None and self._breaker.open_for() is not None:
+            if self._breaker is not None and self._breaker.is_open:
                 raise CallsStopped
             taken: list[tuple[str, AcquireResult]] = []
             try:

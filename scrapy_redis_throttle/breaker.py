@@ -27,6 +27,12 @@ class CircuitBreaker:
         self._delay = self._first_delay
         self._closed: list[asyncio.Future[None]] = []
 
+    @property
+    def is_open(self) -> bool:
+        """Whether requests do not call Redis now. Safe from another thread (the metrics
+        endpoint's), where the clock, the loop's, cannot be read."""
+        return self.open_since is not None
+
     def open_for(self) -> float | None:
         """Seconds since the breaker opened; ``None`` while it is closed."""
         return None if self.open_since is None else self._clock.monotonic() - self.open_since

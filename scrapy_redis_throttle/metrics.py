@@ -279,7 +279,7 @@ class ThrottleMetrics:
             waiting,
             dict(self._rates),
             {} if worker.stats is None else redis_errors(worker.stats),
-            worker.breaker is not None and worker.breaker.open_for() is not None,
+            worker.breaker is not None and worker.breaker.is_open,
             None if worker.fleet is None else worker.fleet.fleet_size,
         )
 

@@ -158,9 +158,9 @@ class RedisGuard:
             self._fallback.redis_back(outage)
 
     async def _probe_until_back(self) -> None:
-        while self._breaker.open_for() is not None:
+        while self._breaker.is_open:
             await self._clock.sleep(self._breaker.next_probe_in())
-            if self._breaker.open_for() is None:  # a call under way got through meanwhile
+            if not self._breaker.is_open:  # a call under way got through meanwhile
                 await self._try_read_state()
                 return
             self._stats.inc_value(f"{STATS_PREFIX}/redis_calls")

@@ -109,7 +109,7 @@ class ResilientBucket:
         :meth:`.TokenBucket.acquire`): Redis's, or the fallback policy's."""
         waited = False
         while True:
-            if self.breaker.open_for() is None:
+            if not self.breaker.is_open:
                 share = self.fallback.handover_wait(domain, limit, cost, others)
                 if share:
                     return Grant(later(share), Source.HANDOVER)
@@ -204,7 +204,7 @@ class ResilientBucket:
                 await self.guard.read_state()
             except RedisError:
                 return False, None
-        if self.breaker.open_for() is not None:
+        if self.breaker.is_open:
             return False, None
         reply = await self.guard.answered(domain, self._last_voiding(domain))
         return (False, None) if reply is None else (True, reply[0])
@@ -218,7 +218,7 @@ class ResilientBucket:
     ) -> Penalty | None:
         """Pause *domain* for the fleet (see :mod:`.pauses`); None when Redis could not be
         told."""
-        if self.breaker.open_for() is not None:
+        if self.breaker.is_open:
             return None
         return await self.guard.answered(
             domain, self._bucket.penalize(domain, limit, retry_after, self._config.backoff)
@@ -230,7 +230,7 @@ class ResilientBucket:
         """Lower *domain*'s adaptive rate for the fleet (see :meth:`TokenBucket.slow_down`); None
         when the adaptive rate is off or Redis could not be told."""
         adaptive = self._config.adaptive
-        if adaptive is None or self.breaker.open_for() is not None:
+        if adaptive is None or self.breaker.is_open:
             return None
         return await self.guard.answered(
             domain, self._bucket.slow_down(domain, limit, adaptive, age, hold)
@@ -239,7 +239,7 @@ class ResilientBucket:
     async def unreserve(self, domain: str, reservations: list[Reservation]) -> Unreserved | None:
         """Give *domain*'s bucket back *reservations* (see :meth:`.TokenBucket.unreserve`); None
         when Redis could not be told (they expire with their moments)."""
-        if self.breaker.open_for() is not None:
+        if self.breaker.is_open:
             return None
         # Those reserved before Redis lost the throttle's state are not the new bucket's.
         reservations = self.lost_state.since_loss(reservations, self._bucket.server_clock(domain))

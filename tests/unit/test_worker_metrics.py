@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import tracemalloc
 
 from fakes import FakeClock, Fleet, stats
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from support import async_test
 
 from scrapy_redis_throttle.breaker import CircuitBreaker
+from scrapy_redis_throttle.clock import Clock
 from scrapy_redis_throttle.metrics import (
     ACQUIRED,
     CANCELED,
@@ -206,3 +209,14 @@ def test_a_demoted_domain_s_counts_go_to_other() -> None:
     assert series[OTHER].pauses == {"503": 1}
     assert series["b.example"].requests == {ACQUIRED: 1}
     assert metrics.snapshot().rates == {"b.example": 1.0}
+
+
+@async_test
+async def test_the_metrics_read_an_open_breaker_from_the_endpoint_s_thread() -> None:
+    """The endpoint serves in a thread of its own, where the loop's clock cannot be read: the
+    snapshot of a worker whose Redis fails (its breaker open) does not read it."""
+    breaker = CircuitBreaker(0.5, 5.0, Clock())
+    breaker.failed()
+    metrics = ThrottleMetrics(True, worker=WorkerState(breaker, Fleet(2), stats()))
+    snapshot = await asyncio.to_thread(metrics.snapshot)
+    assert snapshot.fallback_active
