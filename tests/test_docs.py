@@ -19,7 +19,7 @@ import ast
 import re
 from pathlib import Path
 
-from scrapy_redis_throttle.config import SETTING_NAMES
+from scrapy_redis_throttle.setting_names import SETTING_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "scrapy_redis_throttle"
