@@ -80,7 +80,7 @@ def test_the_readme_s_quick_start_crawls_politely_and_uses_the_budget(
     start_urls = [json.loads(seed_request)["url"] for seed_request in shlex.split(seed[0])[3:]]
     # Each worker's command, which prints the end of its log if it fails.
     command = re.fullmatch(
-        r"for n in 1 2 3; do \((scrapy crawl shop [^|]*) \|\| "
+        r"for n in 1 2 3; do \((scrapy crawl shop [^;]*); "
         r'grep -m 1 "ERROR: Redis throttle" worker-\$n\.log\) & done',
         seed[1],
     )

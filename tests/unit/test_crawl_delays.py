@@ -27,6 +27,11 @@ from scrapy_redis_throttle.domains import Domains
 from scrapy_redis_throttle.rates import Limit
 from scrapy_redis_throttle.rejections import Rejections
 
+# Crawl-delay comes from RobotsTxtMiddleware's robots_parsed signal (Scrapy 2.18+).
+pytestmark = pytest.mark.skipif(
+    not hasattr(signals, "robots_parsed"), reason="Scrapy < 2.18 has no robots_parsed signal"
+)
+
 A, B, C = "a.example", "b.example", "c.example"
 
 
