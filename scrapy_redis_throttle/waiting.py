@@ -308,8 +308,9 @@ def _rate_in_force(budget: RequestBudget, reservation: Reservation | None) -> fl
 
 def _limit_in_force(budget: RequestBudget, rate: float | None) -> str:
     """The limit a request of *budget* went under, for the log: the *rate* Redis paced it at
-    where that is another than the configured one, else the configured one."""
-    if rate is None or format_rate(rate) == format_rate(budget.limit.sustained_rate):
+    where that is another than its token bucket's (the reservation's step is the bucket's, not
+    the quotas'), else the configured limit."""
+    if rate is None or format_rate(rate) == format_rate(budget.limit.rate):
         return str(budget.limit)
     return f"{format_rate(rate)} in force ({budget.limit} configured)"
 

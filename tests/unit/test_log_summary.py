@@ -11,6 +11,7 @@ from scrapy import Request
 from support import async_test
 
 from scrapy_redis_throttle.log_summary import DOMAINS_SHOWN, DomainLine, summary_line
+from scrapy_redis_throttle.rates import parse_limit
 from scrapy_redis_throttle.replies import AcquireResult, Reservation
 
 A = "a.example"
@@ -91,3 +92,29 @@ async def test_an_interval_of_0_logs_nothing_and_keeps_no_wait() -> None:
     throttle.throttle.log_summary.start()
     await throttle.take(Request(f"http://{A}/"), limit("2/s"))
     assert throttle.throttle.log_summary.lines() == []
+
+
+@async_test
+async def test_a_limit_with_quotas_paced_at_its_bucket_s_rate_is_the_configured_one() -> None:
+    """The reservation's step is the token bucket's: 2/s with a quota of 15 per 10 s is not
+    another limit in force."""
+    throttle = Throttle()
+    quota = parse_limit(
+        [{"rate": "2/s", "burst": 3}, {"rate": "15/10s", "algorithm": "sliding_window"}],
+        default_burst=1,
+        source="test",
+    )
+    assert quota is not None
+    throttle.scripts.answers.append(
+        AcquireResult(
+            allowed=False,
+            reserved=True,
+            tokens_left=0.0,
+            retry_after=0.2,
+            reset_after=0.7,
+            reservation=Reservation(after=2_000_000, step=500_000, at=1_000_000),
+        )
+    )
+    await throttle.take(Request(f"http://{A}/"), quota)
+    [only] = throttle.throttle.log_summary.lines()
+    assert only.limit == str(quota)
