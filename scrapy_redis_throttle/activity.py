@@ -36,6 +36,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from .rates import limit_in_force
 from .redis_schema import fleet_key, parked_counts_key, report_key
 from .scripts import lua_script
 from .stats import STATS_PREFIX
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
 
     from .clock import Clock
     from .connection import ThrottleRedis
+    from .rates import Limit
 
 logger = logging.getLogger(__name__)
 
@@ -109,9 +111,9 @@ class Activity:
         self._summarized = summarized
         self._went: defaultdict[str, deque[float]] = defaultdict(deque)
         # Since the log's last summary, per domain: the longest wait of a request sent, and the
-        # limit the last one went under.
+        # limit the last one went under, with the rate Redis paced it at (see limit_in_force).
         self._longest: dict[str, float] = {}
-        self._limits: dict[str, str] = {}
+        self._limits: dict[str, tuple[Limit, float | None]] = {}
         self._held: Counter[str] = Counter()
         self._parked: Counter[str] = Counter()  # not sent yet
         # Since when (monotonic time) this worker counts what went (None: not yet): its
@@ -131,9 +133,15 @@ class Activity:
         that long after its last call."""
         return max((size for _, size in self._sizes), default=None)
 
-    def went(self, domain: str, waited: float = 0.0, limit: str = "") -> None:
-        """A request of *domain* left for the download, after *waited* seconds, under *limit*
-        (see :func:`.waiting._limit_in_force`)."""
+    def went(
+        self,
+        domain: str,
+        waited: float = 0.0,
+        limit: Limit | None = None,
+        rate: float | None = None,
+    ) -> None:
+        """A request of *domain* left for the download, after *waited* seconds, under *limit*,
+        paced at *rate* (see :func:`.rates.limit_in_force`)."""
         if not self._counting:
             return
         now = self._clock.monotonic()
@@ -144,7 +152,8 @@ class Activity:
         _forget_before(times, now - RECENT)
         if self._summarized:
             self._longest[domain] = max(waited, self._longest.get(domain, 0.0))
-            self._limits[domain] = limit
+            if limit is not None:
+                self._limits[domain] = limit, rate
 
     @contextmanager
     def holding(self, domain: str) -> Iterator[None]:
@@ -185,8 +194,9 @@ class Activity:
         """Per domain with any activity: requests in the last minute, held now, the longest
         wait and the limit of the last request sent since the last summary (None: none went);
         those two start again."""
+        limits = {domain: limit_in_force(*told) for domain, told in self._limits.items()}
         summary = {
-            domain: (went, held, self._longest.get(domain, 0.0), self._limits.get(domain))
+            domain: (went, held, self._longest.get(domain, 0.0), limits.get(domain))
             for domain, (went, held, _) in self.report().items()
         }
         self._longest.clear()

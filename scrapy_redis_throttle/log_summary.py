@@ -33,7 +33,7 @@ class DomainLine:
 
     domain: str
     limit: str
-    """The limit the last request went under (see :func:`.waiting._limit_in_force`)."""
+    """The limit the last request went under (see :func:`.rates.limit_in_force`)."""
     paused: float
     """Seconds its pause has to run (0: not paused)."""
     sent: int

@@ -276,6 +276,15 @@ def _rate_text(value: object, rate: float) -> str:
     return f"{rate:g}/s"
 
 
+def limit_in_force(limit: Limit, rate: float | None) -> str:
+    """The limit a request went under, for the log: the *rate* Redis paced it at (None: not
+    told) where that is another than its token bucket's (a reservation's step is the bucket's,
+    not the quotas'), else the configured *limit*."""
+    if rate is None or format_rate(rate) == format_rate(limit.rate):
+        return str(limit)
+    return f"{format_rate(rate)} in force ({limit} configured)"
+
+
 def normalize_domain(name: str) -> str:
     """A domain (a host name, or a ``redis_throttle_key`` group), or a pattern's name, as
     requests carry it: lower case, without the trailing dot of a fully qualified name

@@ -16,7 +16,7 @@ from .fallback import Source
 from .metrics import ACQUIRED, PAUSED_LIVE, UNTHROTTLED
 from .moments import Moments
 from .parking import RELEASE_AHEAD
-from .rates import format_rate
+from .rates import limit_in_force
 from .stats import STATS_PREFIX
 from .tickets import OTHERS_META, Ticket
 
@@ -192,8 +192,10 @@ class Turns:
         return ticket, lend
 
     def _log_wait(self, request: Request, budget: RequestBudget, grant: Grant) -> None:
+        if not logger.isEnabledFor(logging.DEBUG):
+            return
         reservation = grant.result.reservation if grant.shared else None
-        limit = _limit_in_force(budget, _rate_in_force(budget, reservation))
+        limit = limit_in_force(budget.limit, _rate_in_force(budget, reservation))
         why = {
             Source.HANDOVER: ", keeping to this worker's share just after an outage",
             Source.WAIT: ", until Redis answers",
@@ -233,7 +235,7 @@ class Turns:
         # Wall time: a parked request may have been first seen in another process.
         waited = max(0.0, self._clock.wall() - since)
         rate = _rate_in_force(budget, reservation)
-        self._activity.went(domain, waited, _limit_in_force(budget, rate))
+        self._activity.went(domain, waited, budget.limit, rate)
         self._metrics.went(
             domain,
             UNTHROTTLED if unthrottled else ACQUIRED,
@@ -304,15 +306,6 @@ def _rate_in_force(budget: RequestBudget, reservation: Reservation | None) -> fl
     if reservation is None or not reservation.step:
         return None
     return budget.cost * 1e6 / reservation.step
-
-
-def _limit_in_force(budget: RequestBudget, rate: float | None) -> str:
-    """The limit a request of *budget* went under, for the log: the *rate* Redis paced it at
-    where that is another than its token bucket's (the reservation's step is the bucket's, not
-    the quotas'), else the configured limit."""
-    if rate is None or format_rate(rate) == format_rate(budget.limit.rate):
-        return str(budget.limit)
-    return f"{format_rate(rate)} in force ({budget.limit} configured)"
 
 
 def _robots(request: Request) -> bool:
