@@ -43,9 +43,9 @@
 -- and every bucket allows it, nothing is taken from any of them when one refuses, and the wait
 -- is the longest (or longer: until a fixed window with room for it).
 --
--- Returns {status, retry_after_us, reset_after_us, now_us[, remaining][, step]}, integers
--- (cheaper for Redis to reply than formatted floats; a microsecond is far below any rate's
--- precision):
+-- Returns {status, retry_after_us, reset_after_us, now_us[, remaining][, step][, live]},
+-- integers (cheaper for Redis to reply than formatted floats; a microsecond is far below any
+-- rate's precision) but live:
 --   status          1: the request may go now (its tokens are taken);
 --                   2: reserved, it must go in retry_after_us (its tokens are taken);
 --                   0: refused, nothing is taken; it could go in retry_after_us;
@@ -62,8 +62,9 @@
 --                   (which may be late), so that its request goes at the moment Redis gave it
 --   remaining       with more limits: the requests they allow after this one, now (0 when it
 --                   must wait)
---   step            with status 2, last: µs the reservation added to the bucket's time, for
+--   step            with status 2: µs the reservation added to the bucket's time, for
 --                   unreserve.lua (with reset_after: the bucket's time after it)
+--   live            unless alone is "1": the domain's limit set live, a string (see reply below)
 
 -- ARGV[index] (or default) as a number, else an error reply naming the argument: finite, and
 -- above minimum (or equal to it when inclusive).
@@ -176,8 +177,17 @@ if alone ~= "0" and alone ~= "1" then
   return redis.error_reply("ERR redis_throttle: alone must be 0 or 1, got " .. alone)
 end
 local tat, live, rate, live_burst, paused, live_limits = bucket_read(KEYS[1], now, alone == "1")
+-- A reply, with the domain's limit set live last ("<rate|-> <burst|-> <paused 0|1>[ <more
+-- limits>]" as set_limit.lua returns it, "" for none) when KEYS[1] is the domain's own bucket:
+-- the caller learns in the same call when a change or a pause reaches it.
+local function reply(values)
+  if alone == "0" then
+    values[#values + 1] = string.sub(live, 2)
+  end
+  return values
+end
 if paused == "1" then
-  return {3, 0, 0, now}
+  return reply({3, 0, 0, now})
 end
 -- 8 when the domain's limit set live has a field that is no limit (added to the status).
 local invalid = 0
@@ -243,7 +253,7 @@ elseif not live_limits and more_end >= 8 then
   end
 end
 if limits and not KEYS[4] then
-  return {4, 0, 0, now}
+  return reply({4, 0, 0, now})
 end
 
 if KEYS[2] then
@@ -294,7 +304,7 @@ for n = 1, others do
   local other_tat, other_live, other_rate, other_live_burst, other_paused =
     bucket_read(KEYS[4 + n], now, true)
   if other_paused == "1" then
-    return {3, 0, 0, now}
+    return reply({3, 0, 0, now})
   end
   if other_live ~= "" then
     other_interval, other_burst, other_cost =
@@ -397,9 +407,9 @@ end
 
 if wait > after + reserve then
   if limits then
-    return {invalid, wait, math.ceil(tat - now), now, 0}
+    return reply({invalid, wait, math.ceil(tat - now), now, 0})
   end
-  return {invalid, wait, math.ceil(tat - now), now}
+  return reply({invalid, wait, math.ceil(tat - now), now})
 end
 
 local moment = now + wait
@@ -420,9 +430,9 @@ for n, other in ipairs(other_buckets) do
 end
 if not limits then
   if wait > 0 then
-    return {invalid + 2, wait, reset_after, now, step}
+    return reply({invalid + 2, wait, reset_after, now, step})
   end
-  return {invalid + 1, wait, reset_after, now}
+  return reply({invalid + 1, wait, reset_after, now})
 end
 
 -- The requests each quota allows after this one, now (none when it must wait).
@@ -478,6 +488,6 @@ if longest_window > 0 then
   redis.call("PEXPIRE", KEYS[4], math.ceil((last + longest_window - now) / 1000))
 end
 if wait > 0 then
-  return {invalid + 2, wait, reset_after, now, 0, step}
+  return reply({invalid + 2, wait, reset_after, now, 0, step})
 end
-return {invalid + 1, wait, reset_after, now, math.floor(math.max(0, remaining))}
+return reply({invalid + 1, wait, reset_after, now, math.floor(math.max(0, remaining))})

@@ -27,7 +27,8 @@ if TYPE_CHECKING:
     import argparse
     from collections.abc import Sequence
 
-    from .control import Change, LiveLimit
+    from .control import Change
+    from .live_limits import LiveLimit
 
 WORKERS_OWN_LIMIT = "the workers' own limit"
 EXIT_REDIS_FAILED = 1

@@ -8,15 +8,13 @@ have one are also listed in the set ``<prefix>:live``, for :meth:`LiveControl.li
 from __future__ import annotations
 
 import json
-import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from .activity import RECENT
-from .rates import TOKEN_BUCKET, Limit, Quota, format_rate
+from .live_limits import LiveLimit
 from .redis_schema import (
-    ALGORITHM_CODES,
     PENALTY_SUFFIX,
     RATE_SUFFIX,
     bucket_key,
@@ -31,6 +29,7 @@ from .redis_schema import (
     tagged_key,
     void_key,
 )
+from .redis_values import finite, text, whole
 from .scripts import load_script
 
 if TYPE_CHECKING:
@@ -38,6 +37,8 @@ if TYPE_CHECKING:
 
     import redis
     import redis.cluster
+
+    from .rates import Quota
 
 _T = TypeVar("_T")
 
@@ -47,62 +48,6 @@ SCAN_COUNT = 1000
 PROBLEMS_KEPT = 20
 # What a parse of a value read from Redis may raise: the value is unreadable.
 UNREADABLE = (ValueError, TypeError, KeyError, IndexError, OverflowError)
-
-
-@dataclass(frozen=True)
-class LiveLimit:
-    """A domain's limit as set live; None fields are the workers' own configuration."""
-
-    rate: float | None
-    """Requests per second."""
-    burst: int | None
-    paused: bool
-    quotas: tuple[Quota, ...] = ()
-    """With a rate: the domain's quotas (those of the workers do not apply)."""
-
-    @classmethod
-    def parse(cls, text: str) -> LiveLimit | None:
-        """From ``"<rate|-> <burst|-> <paused 0|1>[ <quotas>]"`` (see ``lua/set_limit.lua``);
-        None for none (no text); ValueError for anything else."""
-        if not text:
-            return None
-        fields = text.split()
-        if len(fields) not in (3, 4) or fields[2] not in ("0", "1"):
-            raise ValueError(f"not a live limit: {text[:100]!r}")
-        rate, burst, paused, *quotas = fields
-        return cls(
-            rate=None if rate == "-" else _positive(rate),
-            burst=None if burst == "-" else _count(burst),
-            paused=paused == "1",
-            quotas=tuple(map(_quota, quotas[0].split(","))) if quotas else (),
-        )
-
-    def over(self, code: Limit | None) -> Limit | None:
-        """The limit the workers apply, this one's fields over *code*'s (their own; None: not
-        known here), as ``lua/token_bucket.lua`` merges them; None when a field is not known."""
-        rate = self.rate if self.rate is not None else (code.rate if code else None)
-        burst = self.burst if self.burst is not None else (code.burst if code else None)
-        if rate is None or burst is None:
-            return None
-        quotas = self.quotas if self.rate is not None else (code.quotas if code else ())
-        return Limit(rate, burst, format_rate(rate), quotas)
-
-    def __str__(self) -> str:
-        rate = "workers' rate" if self.rate is None else format_rate(self.rate)
-        burst = "workers' burst" if self.burst is None else f"burst {self.burst}"
-        quotas = "".join(f" and {quota}" for quota in self.quotas)
-        return f"{rate} ({burst}){quotas}" + (", PAUSED" if self.paused else "")
-
-
-def _quota(text: str) -> Quota:
-    """A quota from its text in a live limit: ``"f1000/3600000000"`` (see
-    :attr:`.rates.Quota.script_text`)."""
-    count, period = (_positive(number) for number in text[1:].split("/"))
-    algorithm = {code: name for name, code in ALGORITHM_CODES.items()}[text[:1]]
-    period /= 1e6
-    if algorithm == TOKEN_BUCKET:
-        return Quota(algorithm, count, period, format_rate(1 / period))
-    return Quota(algorithm, count, period, f"{count:g}/{period:g}s")
 
 
 @dataclass(frozen=True)
@@ -211,7 +156,7 @@ class LiveControl:
                 ",".join(quota.script_text for quota in quotas),
             ],
         )
-        limit = LiveLimit.parse(_text(live))
+        limit = LiveLimit.parse(text(live))
         if limit is None:
             self._client.srem(live_key(self._prefix), domain)
         else:
@@ -220,7 +165,7 @@ class LiveControl:
 
     def live_limits(self) -> dict[str, LiveLimit]:
         """Every domain with a limit set live."""
-        domains = sorted(_text(member) for member in self._client.smembers(live_key(self._prefix)))
+        domains = sorted(text(member) for member in self._client.smembers(live_key(self._prefix)))
         states = self.states([key_tag(domain) for domain in domains])
         return {
             domain: state.live
@@ -259,10 +204,10 @@ class LiveControl:
         totals: defaultdict[str, list[float]] = defaultdict(lambda: [0, 0, 0, 0.0])
         for domain, count in parked.items():
             # A parked request taken back before its park was reported counts -1 for a while.
-            waiting = self._read(f"parked count {count!r:.60}", _count, count, absent=0, least=0)
-            totals[key_tag(_text(domain))][2] += max(0, waiting)
+            waiting = self._read(f"parked count {count!r:.60}", whole, count, absent=0, least=0)
+            totals[key_tag(text(domain))][2] += max(0, waiting)
         for report, reply in zip(reports, replies, strict=True):
-            what = f"worker report {_text(report)!r:.100}"
+            what = f"worker report {text(report)!r:.100}"
             entries: list[tuple[str, int, int, float]] = self._read(what, _report, reply, absent=[])
             for domain, went, held, counted in entries:
                 total = totals[key_tag(domain)]
@@ -309,7 +254,7 @@ class LiveControl:
         penalty: list[bytes | None],
         adaptive: bytes | None,
     ) -> DomainState:
-        tat, _, live = _text(bucket or b"").partition(" ")
+        tat, _, live = text(bucket or b"").partition(" ")
         strikes, until = penalty
         where = f"{domain!r}"
         live_limit = self._read(f"{where} live limit", LiveLimit.parse, live, absent=None)
@@ -321,7 +266,7 @@ class LiveControl:
             penalty_pause=self._read(
                 f"{where} pause", _seconds_to, until or "0", absent=0.0, now=now
             ),
-            strikes=self._read(f"{where} strikes", _count, strikes or "0", absent=0, least=0),
+            strikes=self._read(f"{where} strikes", whole, strikes or "0", absent=0, least=0),
             adaptive_rate=self._read(
                 f"{where} adaptive rate", _adaptive_rate, adaptive, absent=None, now=now
             ),
@@ -330,14 +275,14 @@ class LiveControl:
 
 def _seconds_to(moment_us: bytes | str, now: float) -> float:
     """Seconds from *now* (µs of Redis's time, as the scripts count) to a moment; 0 if past."""
-    return max(0.0, (_finite(moment_us) - now) / 1e6)
+    return max(0.0, (finite(moment_us) - now) / 1e6)
 
 
 def _adaptive_rate(value: bytes | None, now: float) -> float | None:
     """The rate now, from ``"<rate> <since µs> <slope> <configured>"`` (``lua/slow_down.lua``)."""
     if value is None:
         return None
-    rate, since, slope, _ = (_finite(field) for field in value.split())
+    rate, since, slope, _ = (finite(field) for field in value.split())
     return rate + slope * max(0.0, now - since)
 
 
@@ -356,38 +301,6 @@ def _report(value: bytes | None) -> list[tuple[str, int, int, float]]:
 def _entry(domain: str, counts: object) -> tuple[str, int, int, float]:
     if not isinstance(counts, list) or len(counts) not in (2, 3):
         raise ValueError(f"{counts!r:.60} is not [went, held] or [went, held, counted_ms]")
-    went, held = _count(counts[0], least=0), _count(counts[1], least=0)
-    counted_ms = _count(counts[2], least=0) if len(counts) == 3 else RECENT * 1000
+    went, held = whole(counts[0], least=0), whole(counts[1], least=0)
+    counted_ms = whole(counts[2], least=0) if len(counts) == 3 else RECENT * 1000
     return domain, went, held, min(RECENT, counted_ms / 1000)
-
-
-def _finite(value: bytes | str | float) -> float:
-    number = float(value)
-    if not math.isfinite(number):
-        raise ValueError(f"{number!r} is not finite")
-    return number
-
-
-def _positive(value: str) -> float:
-    number = _finite(value)
-    if number <= 0:
-        raise ValueError(f"{number!r} is not positive")
-    return number
-
-
-def _count(value: object, least: int = 1) -> int:
-    """An integer of at least *least* (and at most 2**53: a float holds it), from Redis's text
-    or JSON (not a bool, not a float)."""
-    if isinstance(value, bytes):
-        value = value.decode("ascii")
-    if isinstance(value, str):
-        value = int(value) if value.isascii() else None  # int() takes "٣" too
-    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= 2**53:
-        raise ValueError(f"{value!r:.60} is not an integer of at least {least}")
-    return value
-
-
-def _text(value: bytes | str) -> str:
-    """A reply as text, whether the client decodes replies or not (an invalid byte shown as
-    such, rather than failing)."""
-    return value.decode(errors="replace") if isinstance(value, bytes) else value

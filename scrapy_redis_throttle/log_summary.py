@@ -1,8 +1,8 @@
 """What the log says while the fleet runs, the way Scrapy's LogStats does: every
 ``REDIS_THROTTLE_LOG_INTERVAL`` seconds (0: never), one INFO line on this worker's busiest
-domains: the limit in force, whether it is paused, the requests sent over the last minute,
-those waiting now and the longest wait since the last line. Its length is bounded whatever the
-number of domains: the busiest :data:`DOMAINS_SHOWN`, and the others added up."""
+domains: the limit in force, whether it is set live or paused, the requests sent over the last
+minute, those waiting now and the longest wait since the last line. Its length is bounded
+whatever the number of domains: the busiest :data:`DOMAINS_SHOWN`, and the others added up."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from .activity import Activity
     from .budgets import Budgets
     from .clock import Clock
+    from .live_limits import LiveLimit, LiveLimits
     from .pauses import Pauses
 
 logger = logging.getLogger(__name__)
@@ -34,8 +35,10 @@ class DomainLine:
     domain: str
     limit: str
     """The limit the last request went under (see :func:`.rates.limit_in_force`)."""
+    live: LiveLimit | None
+    """Its limit set live, as this worker was last told (None: none)."""
     paused: float
-    """Seconds its pause has to run (0: not paused)."""
+    """Seconds its pause (after a 429 or 503) has to run (0: not paused)."""
     sent: int
     """Requests sent over the last minute."""
     waiting: int
@@ -44,9 +47,12 @@ class DomainLine:
     """The longest wait of a request sent since the last line (seconds)."""
 
     def __str__(self) -> str:
+        live = ""
+        if self.live is not None:
+            live = ", paused live" if self.live.paused else ", set live"
         paused = f", paused {self.paused:.0f} s" if self.paused else ""
         return (
-            f"{self.domain} {self.limit}{paused}: {self.sent} sent, {self.waiting} waiting, "
+            f"{self.domain} {self.limit}{live}{paused}: {self.sent} sent, {self.waiting} waiting, "
             f"longest wait {self.longest:.1f} s"
         )
 
@@ -73,6 +79,7 @@ class LogSummary:
         activity: Activity,
         budgets: Budgets,
         pauses: Pauses,
+        live_limits: LiveLimits,
         log_extra: Callable[[], dict[str, Any]],
         clock: Clock,
     ) -> None:
@@ -80,6 +87,7 @@ class LogSummary:
         self._activity = activity
         self._budgets = budgets
         self._pauses = pauses
+        self._live_limits = live_limits
         self._log_extra = log_extra
         self._clock = clock
         self._task: asyncio.Task[None] | None = None
@@ -104,7 +112,15 @@ class LogSummary:
             if limit is None:  # none went since the last line: the configured one
                 limit = str(self._budgets.limit(domain) or "unlimited")
             lines.append(
-                DomainLine(domain, limit, self._pauses.paused_for(domain), sent, waiting, longest)
+                DomainLine(
+                    domain,
+                    limit,
+                    self._live_limits.of(domain),
+                    self._pauses.paused_for(domain),
+                    sent,
+                    waiting,
+                    longest,
+                )
             )
         return lines
 

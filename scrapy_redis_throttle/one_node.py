@@ -7,6 +7,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
+from .live_limits import told
 from .rates import Limit, Quota
 from .redis_schema import (
     LOG_SUFFIX,
@@ -38,9 +39,13 @@ PAUSED_POLL = 2.0
 
 def parse_reply(reply: list[Any], limit: Limit, decided_at: float | None = None) -> AcquireResult:
     """The result of ``token_bucket.lua``'s reply (integers: status, microseconds, Redis's time,
-    the requests the quotas allow when it checked some, and a reservation's step), decided at
+    the requests the quotas allow when it checked some, and a reservation's step; last, the
+    domain's limit set live, a string, when the call was in its own bucket), decided at
     *decided_at*."""
     status, retry_after_us, reset_after_us, now_us, *quotas_left = reply
+    live = None
+    if quotas_left and not isinstance(quotas_left[-1], int):
+        live = told(quotas_left.pop())
     live_invalid = status >= LIVE_INVALID
     if live_invalid:
         status -= LIVE_INVALID
@@ -56,6 +61,7 @@ def parse_reply(reply: list[Any], limit: Limit, decided_at: float | None = None)
             reset_after=0.0,
             paused=True,
             decided_at=decided_at,
+            live=live,
         )
     return AcquireResult(
         allowed=status == 1,
@@ -69,6 +75,7 @@ def parse_reply(reply: list[Any], limit: Limit, decided_at: float | None = None)
         moment_us=float(now_us + retry_after_us),
         reservation=reservation,
         live_invalid=live_invalid,
+        live=live,
     )
 
 

@@ -4,7 +4,10 @@ it back did, a voiding of reserved moments, a pause and a decrease of the adapti
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from .live_limits import LiveLimit
 
 
 class Reservation(NamedTuple):
@@ -55,6 +58,9 @@ class AcquireResult:
     live_invalid: bool = False
     """The domain's limit set live has a field that is no limit: the workers' own applies for
     it."""
+    live: LiveLimit | None = None
+    """The domain's limit set live, as Redis told it with this answer (:data:`.NOTHING_LIVE`:
+    none). None: not told (decided in this process, or in another scope's bucket)."""
 
     def decided(self, now: float) -> float:
         """When it was decided, by the loop's clock at *now*."""

@@ -25,6 +25,7 @@ from .connection import close, connect
 from .crawl_delay import CrawlDelays
 from .domains import Domains
 from .engine_hooks import attach_parking
+from .live_limits import LiveLimits
 from .log_summary import LogSummary
 from .metrics import CANCELED, REJECTED, UNTHROTTLED, ThrottleMetrics, WorkerState
 from .metrics_endpoint import serve
@@ -117,11 +118,26 @@ class Throttle:
             clock=clock,
             state=self.bucket.guard,
         )
+        self.live_limits = LiveLimits(log_extra)
         self.log_summary = LogSummary(
-            config.log_interval, self.activity, self.budgets, self.pauses, log_extra, clock
+            config.log_interval,
+            self.activity,
+            self.budgets,
+            self.pauses,
+            self.live_limits,
+            log_extra,
+            clock,
         )
         self.turns = Turns(
-            config, self.bucket, self.pauses, self.activity, stats, self.metrics, log_extra, clock
+            config,
+            self.bucket,
+            self.pauses,
+            self.activity,
+            self.live_limits,
+            stats,
+            self.metrics,
+            log_extra,
+            clock,
         )
         self.pushback = Pushback(
             config,

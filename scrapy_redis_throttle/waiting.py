@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from .clock import Clock
     from .config import ThrottleConfig
     from .fallback import Grant
+    from .live_limits import LiveLimits
     from .metrics import ThrottleMetrics
     from .moments import SharedBucket
     from .pauses import Pauses
@@ -67,6 +68,7 @@ class Turns:
         bucket: SharedBucket,
         pauses: Pauses,
         activity: Activity,
+        live_limits: LiveLimits,
         stats: StatsCollector,
         metrics: ThrottleMetrics,
         log_extra: Callable[[], dict[str, Any]],
@@ -77,6 +79,7 @@ class Turns:
         self._bucket = bucket
         self._pauses = pauses
         self._activity = activity
+        self._live_limits = live_limits
         self._stats = stats
         self._metrics = metrics
         self._log_extra = log_extra
@@ -118,6 +121,7 @@ class Turns:
                 asked_at = self._clock.wall()
                 grant = await self._bucket.acquire(domain, limit, budget.cost, others)
                 result = grant.result
+                self._live_limits.told(domain, result.live, limit)
                 decided = result.decided(self._clock.monotonic())
                 delayed = delayed or grant.waited_for_redis
                 paused = 0.0 if grant.shared else self._pauses.paused_for(domain)
@@ -195,7 +199,10 @@ class Turns:
         if not logger.isEnabledFor(logging.DEBUG):
             return
         reservation = grant.result.reservation if grant.shared else None
-        limit = limit_in_force(budget.limit, _rate_in_force(budget, reservation))
+        limit = limit_in_force(
+            self._live_limits.over(budget.domain, budget.limit),
+            _rate_in_force(budget, reservation),
+        )
         why = {
             Source.HANDOVER: ", keeping to this worker's share just after an outage",
             Source.WAIT: ", until Redis answers",
@@ -235,13 +242,10 @@ class Turns:
         # Wall time: a parked request may have been first seen in another process.
         waited = max(0.0, self._clock.wall() - since)
         rate = _rate_in_force(budget, reservation)
-        self._activity.went(domain, waited, budget.limit, rate)
+        limit = self._live_limits.over(domain, budget.limit)
+        self._activity.went(domain, waited, limit, rate)
         self._metrics.went(
-            domain,
-            UNTHROTTLED if unthrottled else ACQUIRED,
-            waited,
-            budget.limit.sustained_rate,
-            rate,
+            domain, UNTHROTTLED if unthrottled else ACQUIRED, waited, limit.sustained_rate, rate
         )
         if not delayed:
             stats.inc_value(f"{STATS_PREFIX}/allowed_immediately")

@@ -42,7 +42,8 @@ from support import (
 
 from scrapy_redis_throttle.cli import EXIT_BAD_INPUT, EXIT_REDIS_FAILED
 from scrapy_redis_throttle.cli import main as cli_main
-from scrapy_redis_throttle.control import LiveControl, LiveLimit
+from scrapy_redis_throttle.control import LiveControl
+from scrapy_redis_throttle.live_limits import LiveLimit
 from scrapy_redis_throttle.redis_schema import (
     bucket_key,
     penalty_channel,
@@ -115,6 +116,25 @@ def test_a_paused_domain_takes_no_token_until_resumed(scripts: Scripts) -> None:
     assert change.live is None, "nothing else was set live: the value is the bucket's again"
     assert scripts.acquire() == (1, 0)
     assert scripts.control.live_limits() == {}
+
+
+def test_each_acquire_in_the_domain_s_own_bucket_tells_its_limit_set_live(
+    scripts: Scripts,
+) -> None:
+    """Last in the reply, as set_limit.lua returns it: the worker learns of a change or a
+    pause in the call it makes anyway. Another scope's bucket, asked alone, tells none."""
+
+    def live(alone: str = "0") -> object:
+        return scripts.acquire_script(keys=[KEY], args=[*TEN_PER_SECOND, "0", "0", alone])[-1]
+
+    assert live() == b""
+    scripts.control.set("shop.example", 2, 3)
+    assert live() == b"2.0 3 0"
+    scripts.control.pause("shop.example")
+    assert live() == b"2.0 3 1"
+    assert isinstance(live(alone="1"), int), "alone: no limit set live in the reply"
+    scripts.control.delete("shop.example")
+    assert live() == b""
 
 
 def test_delete_returns_the_domain_to_the_workers_own_limit(scripts: Scripts) -> None:
@@ -416,8 +436,10 @@ def test_a_running_fleet_follows_a_limit_changed_live(redis_server: RedisServer)
 
 @async_test
 async def test_a_crawl_waits_while_its_domain_is_paused_live(
-    redis_server: RedisServer, site: DemoSite
+    redis_server: RedisServer, site: DemoSite, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """...and its log says when the pause reaches it, and when the resume does."""
+    caplog.set_level(logging.INFO, logger="scrapy_redis_throttle")
     with redis.Redis.from_url(redis_server.url) as client:
         control = LiveControl(client, "redis_throttle")
         control.pause(A)
@@ -442,6 +464,12 @@ async def test_a_crawl_waits_while_its_domain_is_paused_live(
     assert len(arrivals) == 5
     assert min(released(stats.get_stats(), A)) > resumed
     assert_released_paced(stats.get_stats(), arrivals, 10, 1, A)
+    told = [record.getMessage() for record in caplog.records if f"{A!r} is" in record.getMessage()]
+    assert told == [
+        f"Redis throttle: {A!r} is paused live for the fleet: no request to it until it is "
+        f"resumed (scrapy-redis-throttle resume {A})",
+        f"Redis throttle: {A!r} is back to its own limit, 10/s (burst 1)",
+    ]
 
 
 def test_the_exporter_and_status_show_a_running_fleet(

@@ -27,6 +27,7 @@ from scrapy_redis_throttle.config import DEFAULT_KEY_PREFIX, ThrottleConfig
 from scrapy_redis_throttle.connection import connect_url
 from scrapy_redis_throttle.control import LiveControl
 from scrapy_redis_throttle.fallback import Grant, Source
+from scrapy_redis_throttle.live_limits import LiveLimits
 from scrapy_redis_throttle.metrics import ThrottleMetrics
 from scrapy_redis_throttle.pauses import Pauses
 from scrapy_redis_throttle.rates import Limit
@@ -376,7 +377,15 @@ async def test_a_parked_moment_reserved_before_redis_restarted_empty_is_not_give
         )
         activity = Activity(client, "ns", 0, stats, dict, Clock())
         turns = Turns(
-            config, recording, pauses, activity, stats, ThrottleMetrics(on=False), dict, Clock()
+            config,
+            recording,
+            pauses,
+            activity,
+            LiveLimits(dict),
+            stats,
+            ThrottleMetrics(on=False),
+            dict,
+            Clock(),
         )
         stores = [
             RedisParking(

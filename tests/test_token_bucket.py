@@ -192,29 +192,30 @@ def test_not_before_moves_the_moment_and_the_reserve_counts_from_it(bucket: Buck
     then takes nothing and says when it could."""
     limit = Limit(10, 2, "test")
     moment = redis_now_us(bucket.client) + 500_000
-    status, retry_us, reset_us, now_us, step = bucket.script(
+    status, retry_us, reset_us, now_us, step, live = bucket.script(
         keys=[KEY], args=script_args(limit, 1, 0, not_before=moment)
     )
     assert (status, now_us + retry_us) == (2, moment), "reserved at not_before exactly"
+    assert live == b"", "last, the domain's limit set live: none"
     assert (now_us + reset_us, step) == (moment + 100_000, 100_000), "counted then"
     # The bucket holds one token at that moment (it was full, burst 2): another request may
     # share it, and a third may not.
-    status, retry_us, _, now_us, _ = bucket.script(
+    status, retry_us, _, now_us, *_ = bucket.script(
         keys=[KEY], args=script_args(limit, 1, 0, not_before=moment)
     )
     assert (status, now_us + retry_us) == (2, moment)
     taken = bucket.client.get(KEY)
-    status, retry_us, _, now_us = bucket.script(
+    status, retry_us, _, now_us, *_ = bucket.script(
         keys=[KEY], args=script_args(limit, 1, 0, not_before=moment)
     )
     assert (status, now_us + retry_us) == (0, moment + 100_000), "refused: when it could go"
     assert bucket.client.get(KEY) == taken, "nothing taken"
-    status, retry_us, _, now_us, _ = bucket.script(
+    status, retry_us, _, now_us, *_ = bucket.script(
         keys=[KEY], args=script_args(limit, 1, 0.1, not_before=moment)
     )
     assert (status, now_us + retry_us) == (2, moment + 100_000), "within reserve of not_before"
     # A moment past (or 0) is none: the bucket's own.
-    status, retry_us, _, now_us = bucket.script(
+    status, retry_us, _, now_us, *_ = bucket.script(
         keys=[KEY], args=script_args(limit, 1, 0, not_before=1)
     )
     assert (status, now_us + retry_us) == (0, moment + 200_000)
@@ -226,11 +227,11 @@ def test_busy_until_counts_from_not_before(bucket: Bucket) -> None:
     limit = Limit(10, 1, "test")
     moment = redis_now_us(bucket.client) + 500_000
     busy_until = moment + 1_000_000
-    status, retry_us, _, now_us = bucket.script(
+    status, retry_us, _, now_us, *_ = bucket.script(
         keys=[KEY], args=script_args(limit, 1, 0, busy_until=busy_until, not_before=moment)
     )
     assert (status, now_us + retry_us) == (0, busy_until), "busy until a second after"
-    status, retry_us, reset_us, now_us, _ = bucket.script(
+    status, retry_us, reset_us, now_us, *_ = bucket.script(
         keys=[KEY], args=script_args(limit, 1, 2, busy_until=busy_until, not_before=moment)
     )
     assert (status, now_us + retry_us) == (2, busy_until)
@@ -257,12 +258,12 @@ def test_busy_until_counts_tokens_taken_elsewhere(bucket: Bucket) -> None:
     moment, the same however late the call comes."""
     limit = Limit(10, 1, "test")
     busy_until = redis_now_us(bucket.client) + 500_000
-    status, retry_us, _, now_us, _ = bucket.script(
+    status, retry_us, _, now_us, *_ = bucket.script(
         keys=[KEY], args=script_args(limit, 1, 2.0, busy_until)
     )
     assert (status, now_us + retry_us) == (2, busy_until)
     # Never earlier than what the bucket already holds.
-    status, retry_us, _, now_us, _ = bucket.script(
+    status, retry_us, _, now_us, *_ = bucket.script(
         keys=[KEY], args=script_args(limit, 1, 2.0, busy_until - 400_000)
     )
     assert (status, now_us + retry_us) == (2, busy_until + 100_000)

@@ -27,6 +27,7 @@ from scrapy_redis_throttle.addon import Addon
 from scrapy_redis_throttle.budgets import Budget, RequestBudget
 from scrapy_redis_throttle.clock import Clock
 from scrapy_redis_throttle.config import ThrottleConfig
+from scrapy_redis_throttle.live_limits import NOTHING_LIVE, LiveLimit
 from scrapy_redis_throttle.local_buckets import LocalBuckets
 from scrapy_redis_throttle.metrics import ThrottleMetrics
 from scrapy_redis_throttle.parking import ParkingArea
@@ -292,6 +293,10 @@ class MemoryScripts:
             full_at[name] = max(full_at.get(name, 0.0), busy)
         budgets = [Budget(name, each) for name, each, _ in others]
         result = self.bucket.acquire(domain, limit, cost, reserve, 1, budgets)
+        # As token_bucket.lua, in the domain's own bucket: its limit set live, told.
+        live = self.live.get(domain)
+        told = NOTHING_LIVE if live is None else LiveLimit(live.rate, live.burst, paused=False)
+        result = replace(result, live=told)
         if not self.latency:
             return result
         decided = replace(result, decided_at=self._clock.now)

@@ -12,8 +12,8 @@ from scrapy.settings import Settings
 
 from scrapy_redis_throttle.config import Adaptive, Backoff, ThrottleConfig, needs_extra
 from scrapy_redis_throttle.connection import ClusterClient, connect
-from scrapy_redis_throttle.control import LiveLimit
 from scrapy_redis_throttle.errors import ThrottleConfigError
+from scrapy_redis_throttle.live_limits import LiveLimit
 from scrapy_redis_throttle.rates import (
     FIXED_WINDOW,
     SLIDING_WINDOW,

@@ -10,6 +10,7 @@ from fakes import Throttle, limit
 from scrapy import Request
 from support import async_test
 
+from scrapy_redis_throttle.live_limits import LiveLimit
 from scrapy_redis_throttle.log_summary import DOMAINS_SHOWN, DomainLine, summary_line
 from scrapy_redis_throttle.rates import parse_limit
 from scrapy_redis_throttle.replies import AcquireResult, Reservation
@@ -18,7 +19,7 @@ A = "a.example"
 
 
 def line(domain: str, sent: int, waiting: int = 0) -> DomainLine:
-    return DomainLine(domain, "1/s (burst 1)", 0.0, sent, waiting, 0.5)
+    return DomainLine(domain, "1/s (burst 1)", None, 0.0, sent, waiting, 0.5)
 
 
 def test_the_busiest_domains_are_named_and_the_others_added_up() -> None:
@@ -30,8 +31,12 @@ def test_the_busiest_domains_are_named_and_the_others_added_up() -> None:
 
 
 def test_a_line_says_the_limit_the_pause_the_counts_and_the_longest_wait() -> None:
-    paused = DomainLine(A, "2/s", 12.4, 30, 4, 3.25)
+    paused = DomainLine(A, "2/s", None, 12.4, 30, 4, 3.25)
     assert str(paused) == f"{A} 2/s, paused 12 s: 30 sent, 4 waiting, longest wait 3.2 s"
+    live = DomainLine(A, "1/s in force (2/s configured)", LiveLimit(1, None, False), 0, 1, 0, 0)
+    assert str(live).startswith(f"{A} 1/s in force (2/s configured), set live: 1 sent")
+    paused_live = DomainLine(A, "2/s", LiveLimit(None, None, True), 0, 0, 3, 0)
+    assert str(paused_live).startswith(f"{A} 2/s, paused live: 0 sent, 3 waiting")
 
 
 @async_test
