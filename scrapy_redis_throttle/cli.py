@@ -48,6 +48,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             needs_extra("exporter", "prometheus_client", "metrics")
     except ThrottleConfigError as exc:
         parser.error(str(exc))
+    if args.throttle_off:
+        print(
+            f"scrapy-redis-throttle: this project's workers do not run the throttle: "
+            f"{args.throttle_off}",
+            file=sys.stderr,
+        )
     try:
         client = connect_sync(config)  # a cluster client finds the cluster's nodes here
     except (redis.RedisError, RedisClusterException) as exc:

@@ -7,12 +7,16 @@ from __future__ import annotations
 import argparse
 import math
 from importlib.metadata import version
+from typing import TYPE_CHECKING
 
 from scrapy.utils.conf import closest_scrapy_cfg
+from scrapy.utils.misc import load_object
 from scrapy.utils.project import get_project_settings
 
+from .addon import Addon
 from .config import SCOPE_ATTRIBUTE, SPIDER_ATTRIBUTE, ThrottleConfig
 from .errors import ThrottleConfigError
+from .middleware import RedisThrottleMiddleware
 from .rates import (
     HOST_PORT,
     TOKEN_BUCKET,
@@ -24,6 +28,10 @@ from .rates import (
 )
 from .redis_schema import ALGORITHM_CODES
 from .scopes import PROXY, proxy_budget
+
+if TYPE_CHECKING:
+    from scrapy import Spider
+    from scrapy.settings import Settings
 
 DESCRIPTION = "Change, inspect and pause the limits of a running fleet."
 
@@ -195,6 +203,7 @@ def project_config(args: argparse.Namespace) -> ThrottleConfig:
         settings.set("REDIS_THROTTLE_SENTINEL_SERVICE", args.service, priority="cmdline")
     if args.cluster_nodes:
         settings.set("REDIS_THROTTLE_CLUSTER_NODES", args.cluster_nodes, priority="cmdline")
+    settings_off = settings.copy()
     # The tool works on the fleet's Redis even where these settings turn the throttle off.
     settings.set("REDIS_THROTTLE_ENABLED", True, priority="cmdline")
     spider = None
@@ -216,11 +225,42 @@ def project_config(args: argparse.Namespace) -> ThrottleConfig:
         if len(names) == 1:
             spider = loader.load(names[0])
         args.spider_unknown = len(names) > 1
+    args.throttle_off = throttle_off(settings_off, spider) if args.in_project else None
     return ThrottleConfig.from_settings(
         settings,
         spider_rates=getattr(spider, SPIDER_ATTRIBUTE, None),
         spider_scope=getattr(spider, SCOPE_ATTRIBUTE, None),
     )
+
+
+def throttle_off(settings: Settings, spider: type[Spider] | None) -> str | None:
+    """Why the project's workers, by *settings* and the *spider*'s custom settings, do not run
+    the throttle (None: they do)."""
+    settings = settings.copy()
+    if spider is not None:
+        spider.update_settings(settings)
+    if not settings.getbool("REDIS_THROTTLE_ENABLED", True):
+        return "REDIS_THROTTLE_ENABLED is False"
+    for name, component in (("ADDONS", Addon), ("DOWNLOADER_MIDDLEWARES", RedisThrottleMiddleware)):
+        if any(
+            priority is not None and _is(key, component)
+            for key, priority in settings.getdict(name).items()
+        ):
+            return None
+    return (
+        "neither ADDONS has scrapy_redis_throttle.Addon nor DOWNLOADER_MIDDLEWARES its "
+        "middleware (a line ADDONS = {} after the throttle's block undoes it)"
+    )
+
+
+def _is(key: object, component: type) -> bool:
+    """Whether *key* of a components' dict (a class, or its import path) is *component*."""
+    if isinstance(key, str):
+        try:
+            key = load_object(key)
+        except Exception:  # a component the tool cannot import is not the throttle's
+            return False
+    return key is component
 
 
 def live_limit(

@@ -324,6 +324,7 @@ def test_the_tool_prints_json_for_machines(redis_server: RedisServer) -> None:
     ("args", "message"),
     [
         (["set", "shop.example", "fast"], "LIMIT[0]: invalid rate 'fast'"),
+        (["set", "shop.example", "--", "-5/s"], "LIMIT[0]: invalid rate '-5/s'; expected e.g. '5/s'"),
         (["set", "shop.example", "1/s", "--burst", "0"], "--burst: burst must be an integer"),
         (["get"], "the following arguments are required: DOMAIN"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),

@@ -24,6 +24,7 @@ import redis
 from demo_site import HOSTS, DemoSite
 from fleet_runs import Domain, fetched, refusals, refused
 from local_redis import RedisServer
+from processes import tool
 from support import achieved_rate
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -50,10 +51,9 @@ def readme_block(first_line: str) -> str:
     return str(block)
 
 
-@pytest.mark.parametrize("workers", [2, 3])
-def test_the_readme_s_quick_start_crawls_politely_and_uses_the_budget(
-    redis_server: RedisServer, tmp_path: Path, workers: int
-) -> None:
+def start_project(tmp_path: Path, above: bool = False) -> Path:
+    """README's project: ``scrapy startproject shop``, README's settings block in place of
+    the template's ``ADDONS = {}`` (or pasted *above* it)."""
     subprocess.run(
         [sys.executable, "-m", "scrapy", "startproject", "shop"], cwd=tmp_path, check=True
     )
@@ -61,10 +61,34 @@ def test_the_readme_s_quick_start_crawls_politely_and_uses_the_budget(
     settings = project / "shop" / "settings.py"
     template = settings.read_text(encoding="utf-8")
     assert template.count("\nADDONS = {}\n") == 1, "the template's line, to replace"
-    settings.write_text(
-        template.replace("\nADDONS = {}\n", "\n" + readme_block("# shop/settings.py") + "\n"),
-        encoding="utf-8",
+    block = readme_block("# shop/settings.py") + ("\nADDONS = {}\n" if above else "\n")
+    settings.write_text(template.replace("\nADDONS = {}\n", "\n" + block), encoding="utf-8")
+    return project
+
+
+@pytest.mark.parametrize("above", [False, True])
+def test_the_tool_says_when_the_project_s_workers_would_not_throttle(
+    redis_server: RedisServer, tmp_path: Path, above: bool
+) -> None:
+    """README's block pasted above the template's ``ADDONS = {}``: the throttle is off, and
+    the first check README names says why."""
+    project = start_project(tmp_path, above)
+    done = tool("--redis-url", redis_server.url, "status", cwd=project)
+    assert done.returncode == 0, done.stderr
+    said = (
+        "scrapy-redis-throttle: this project's workers do not run the throttle: neither ADDONS "
+        "has scrapy_redis_throttle.Addon nor DOWNLOADER_MIDDLEWARES its middleware (a line "
+        "ADDONS = {} after the throttle's block undoes it)\n"
     )
+    assert (said in done.stderr) is above, done.stderr
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_the_readme_s_quick_start_crawls_politely_and_uses_the_budget(
+    redis_server: RedisServer, tmp_path: Path, workers: int
+) -> None:
+    project = start_project(tmp_path)
+    settings = project / "shop" / "settings.py"
     applied = settings.read_text(encoding="utf-8")
     for line in (
         "DOWNLOAD_DELAY = 1",
