@@ -14,8 +14,9 @@
 -- ARGV[2]  rate, requests per second (> 0), or "-": the workers' own
 -- ARGV[3]  burst (an integer >= 1), or "-": the workers' own
 -- ARGV[4]  the channel to publish on
--- ARGV[5]  the domain's name in the message: "<µs until the last moment reserved> <now µs>
---          <name>" (the moments reserved before now, by token_bucket.lua's clock, are void)
+-- ARGV[5]  the domain's name in the message: "v<µs until the last moment reserved> <now µs>
+--          <name>" (the moments reserved before now, by token_bucket.lua's clock, are void; the
+--          "v": a voiding, not a pause, after which requests may go at once)
 -- ARGV[6]  (set, with a rate) the domain's more limits, "" for none: comma-separated
 --          "<algorithm><count>/<period µs>", algorithm t, f or s (see token_bucket.lua)
 --
@@ -91,6 +92,6 @@ if void > 0 then
   voided_until = math.max(now + void, voided_until)
   redis.call("SET", KEYS[3], string.format("%d %d", now, voided_until),
     "PX", math.ceil((voided_until - now) / 1000))
-  redis.call("PUBLISH", ARGV[4], string.format("%d %d", void, now) .. " " .. ARGV[5])
+  redis.call("PUBLISH", ARGV[4], string.format("v%d %d", void, now) .. " " .. ARGV[5])
 end
 return {string.sub(live, 2), void}

@@ -23,8 +23,8 @@
 -- ARGV[6]  hold: µs before the rate starts climbing (the pause that came with a 429), >= 0
 -- ARGV[7]  burst of the domain's limit, >= 1
 -- ARGV[8]  the channel to publish on
--- ARGV[9]  the domain's name in the message: "<µs until the last moment reserved> <now µs>
---          <name>"
+-- ARGV[9]  the domain's name in the message: "v<µs until the last moment reserved> <now µs>
+--          <name>" (as set_limit.lua's: a voiding, not a pause)
 --
 -- Returns {lowered, rate, back_in_us, void_us, now_us}: lowered is 1 when this call lowered the
 -- rate (0: the request was sent before the last decrease, or the configured rate is the floor);
@@ -96,6 +96,6 @@ if void > 0 then
   voided_until = math.max(now + void, time_read(voided_until, now) or 0)
   redis.call("SET", KEYS[3], string.format("%d %d", now, voided_until),
     "PX", math.ceil((voided_until - now) / 1000))
-  redis.call("PUBLISH", ARGV[8], string.format("%d %d", void, now) .. " " .. ARGV[9])
+  redis.call("PUBLISH", ARGV[8], string.format("v%d %d", void, now) .. " " .. ARGV[9])
 end
 return {1, string.format("%.17g", lowered), lifetime, void, now}

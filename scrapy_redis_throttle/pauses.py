@@ -5,7 +5,7 @@ pushed past the pause (``Retry-After``, or an exponential backoff), so that no a
 before it ends, and the pause is published. Every worker listens (:class:`Pauses`): a request
 that reserved a moment within the pause, before it was known, wakes and asks Redis again instead
 of going. Decreases of the adaptive rate and limits changed live are published the same way, for
-the moments reserved before them.
+the moments reserved before them, marked as no pause: their requests may ask again at once.
 
 Redis delivers a message only to the workers subscribed when it is published: a worker that was
 starting, or whose subscription was down, misses it. The scripts therefore also keep the last
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
 from itertools import islice
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
@@ -117,17 +117,32 @@ def _http_date(text: str) -> datetime | None:
     return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
 
 
-def parse_message(data: bytes) -> tuple[str, int, int] | None:
-    """A pause as ``lua/penalty.lua`` publishes it (``<pause µs> <Redis's time µs> <domain>``):
-    its domain, length and time; None for anything else (anyone who may publish on the channel
-    can send anything: a bad message voids nothing)."""
-    pause_us, _, rest = data.decode("utf-8", "surrogateescape").partition(" ")
+class Message(NamedTuple):
+    """A voiding of a domain's moments, as a script published it."""
+
+    domain: str
+    void_us: int
+    """How long the voided moments last (a pause: until it ends)."""
+    at_us: int
+    """Redis's time when it happened."""
+    holds: bool
+    """A pause (``lua/penalty.lua``): no request goes before it ends. Else a change of rate
+    (``lua/set_limit.lua``, ``lua/slow_down.lua``), after which requests may go at once."""
+
+
+def parse_message(data: bytes) -> Message | None:
+    """A voiding as the scripts publish it: ``<µs> <Redis's time µs> <domain>`` for a pause,
+    the first number after a ``v`` for a change of rate; None for anything else (anyone who
+    may publish on the channel can send anything: a bad message voids nothing)."""
+    void_us, _, rest = data.decode("utf-8", "surrogateescape").partition(" ")
     at_us, _, domain = rest.partition(" ")
+    holds = not void_us.startswith("v")
+    void_us = void_us if holds else void_us[1:]
     if domain and all(
         number.isascii() and number.isdigit() and len(number) <= MAX_PAUSE_DIGITS
-        for number in (pause_us, at_us)
+        for number in (void_us, at_us)
     ):
-        return domain, int(pause_us), int(at_us)
+        return Message(domain, int(void_us), int(at_us), holds)
     return None
 
 
@@ -145,6 +160,9 @@ class Pause:
     (A limit set live, or a decrease of the adaptive rate, starts the bucket again at once: the
     moments it gives next fall within the voided ones, and a wall clock allowing for other
     machines took those reserved in the next second as void too.)"""
+    holds: bool = True
+    """A pause: no request goes before it ends (else a change of rate: only the moments
+    reserved before are void)."""
 
     def voids(
         self, reserved_at: float, moment: float, elsewhere: bool, reserved_us: float | None
@@ -165,6 +183,7 @@ class Pause:
             self.heard >= other.heard - slack
             and self.until >= other.until - slack
             and (other.at_us is None or (self.at_us is not None and self.at_us >= other.at_us))
+            and (self.holds or not other.holds)
         )
 
     @classmethod
@@ -175,6 +194,7 @@ class Pause:
             max(each.heard for each in pauses),
             max(each.until for each in pauses),
             None if None in at else max(each for each in at if each is not None),
+            any(each.holds for each in pauses),
         )
 
 
@@ -246,16 +266,21 @@ class Pauses:
             await cancel_and_wait(self._listener, "the pauses' listener")
 
     def pause(
-        self, domain: str, seconds: float, age: float = 0.0, at_us: float | None = None
+        self,
+        domain: str,
+        seconds: float,
+        age: float = 0.0,
+        at_us: float | None = None,
+        holds: bool = True,
     ) -> None:
         """Moments of *domain* within the next *seconds* that were reserved before now (or
-        *age* seconds ago; *at_us*: by Redis's clock, when Redis tells it) are void (a pause,
-        or moments chosen under a rate that changed): the requests that hold them wake at once
-        (see :meth:`sleep`), those parked with them come back at once, and all must ask again.
-        At most *longest* seconds: what another worker publishes, or Redis holds, is not
-        trusted further."""
+        *age* seconds ago; *at_us*: by Redis's clock, when Redis tells it) are void (a pause
+        that *holds* the domain that long, or else moments chosen under a rate that changed):
+        the requests that hold them wake at once (see :meth:`sleep`), those parked with them
+        come back at once, and all must ask again. At most *longest* seconds: what another
+        worker publishes, or Redis holds, is not trusted further."""
         seconds = min(seconds, self._longest)
-        new = Pause(self._clock.wall() - age, self._clock.monotonic() + seconds, at_us)
+        new = Pause(self._clock.wall() - age, self._clock.monotonic() + seconds, at_us, holds)
         pauses = self._under_way(domain)
         if any(each.covers(new, SAME_PAUSE) for each in pauses):
             return
@@ -299,6 +324,8 @@ class Pauses:
         """The last voiding of *domain* read from Redis (:meth:`.TokenBucket.last_voiding`),
         asked for at *read_at* (wall time): moments it voids are void (see :meth:`pause`)."""
         if voiding is not None:
+            # Redis keeps pauses and changes of rate alike: taken as a pause, the polite side
+            # for a worker that paces alone.
             self.pause(domain, voiding.left, age=voiding.age, at_us=voiding.at_us)
         since = self._listening_since
         if since is not None and read_at >= since:
@@ -325,7 +352,7 @@ class Pauses:
 
     def paused_for(self, domain: str) -> float:
         """Seconds until *domain*'s pauses end (0: none), for a worker that paces alone."""
-        ends = [each.until for each in self._under_way(domain)]
+        ends = [each.until for each in self._under_way(domain) if each.holds]
         return max(ends) - self._clock.monotonic() if ends else 0.0
 
     def _under_way(self, domain: str) -> list[Pause]:
@@ -409,9 +436,9 @@ class Pauses:
     def _received(self, data: bytes) -> None:
         message = parse_message(data)
         if message is not None:
-            domain, pause_us, at_us = message
+            domain = message.domain
             try:
-                self.pause(domain, pause_us / 1e6, at_us=at_us)
+                self.pause(domain, message.void_us / 1e6, at_us=message.at_us, holds=message.holds)
             except Exception as exc:  # a bug passing it on: the subscription and the next go on
                 self._count_once(
                     f"listener_errors/{type(exc).__name__}",

@@ -152,7 +152,7 @@ class Pushback:
         if slowdown is None or not slowdown.lowered:
             return
         # This worker's reservations, before the message.
-        self._pauses.pause(domain, slowdown.void, at_us=slowdown.at_us)
+        self._pauses.pause(domain, slowdown.void, at_us=slowdown.at_us, holds=False)
         self._stats.inc_value(f"{STATS_PREFIX}/adaptive/lowered")
         logger.info(
             "Redis throttle: %(cause)s: its rate for the fleet is now %(rate)s (configured: "

@@ -28,6 +28,7 @@ from support import (
 
 from scrapy_redis_throttle.bucket import TokenBucket
 from scrapy_redis_throttle.config import Adaptive
+from scrapy_redis_throttle.pauses import Message, parse_message
 from scrapy_redis_throttle.rates import Limit
 from scrapy_redis_throttle.redis_schema import penalty_channel, rate_key
 from scrapy_redis_throttle.scripts import load_script
@@ -80,9 +81,9 @@ async def test_a_decrease_voids_the_moments_reserved_before(redis_server: RedisS
         # time): what was left of that when the decrease came (0.42 s once, under load).
         assert 0.5 - took < slowdown.void <= 0.5
         assert messages[1] is not None
-        void_us, at_us, name = messages[1]["data"].split(b" ", 2)
-        assert (int(void_us), name) == (round(slowdown.void * 1e6), b"a.example")
-        assert int(at_us) == slowdown.at_us, "when, by Redis's clock, as the reply says"
+        assert parse_message(messages[1]["data"]) == Message(
+            "a.example", round(slowdown.void * 1e6), int(slowdown.at_us), holds=False
+        ), "when, by Redis's clock, as the reply says; a change of rate, no pause"
         # The bucket forgot them: the requests that held them ask again, at 5/s from now.
         assert 0.1 < await spacing(bucket, "a.example") <= 0.2
 

@@ -44,6 +44,7 @@ from scrapy_redis_throttle.cli import EXIT_BAD_INPUT, EXIT_REDIS_FAILED
 from scrapy_redis_throttle.cli import main as cli_main
 from scrapy_redis_throttle.control import LiveControl
 from scrapy_redis_throttle.live_limits import LiveLimit
+from scrapy_redis_throttle.pauses import parse_message
 from scrapy_redis_throttle.redis_schema import (
     bucket_key,
     penalty_channel,
@@ -157,9 +158,11 @@ def test_a_change_voids_the_moments_reserved_and_publishes_it(scripts: Scripts) 
         messages = [pubsub.get_message(timeout=5) for _ in range(2)]
     assert 0.35 < change.void <= 0.5
     assert messages[1] is not None
-    void_us, at_us, name = messages[1]["data"].split(b" ", 2)
-    assert (int(void_us), name) == (round(change.void * 1e6), b"shop.example")
-    assert 0 < int(at_us) < 10**15, "when, by Redis's clock"
+    message = parse_message(messages[1]["data"])
+    assert message is not None
+    assert (message.domain, message.void_us) == ("shop.example", round(change.void * 1e6))
+    assert not message.holds, "a change of rate: the requests ask again at once, no pause"
+    assert 0 < message.at_us < 10**15, "when, by Redis's clock"
     assert scripts.acquire() == (1, 0), "the bucket forgot them: the new limit starts now"
 
 

@@ -16,6 +16,7 @@ from scrapy_redis_throttle.pauses import (
     PAUSES_PER_DOMAIN,
     SAME_PAUSE,
     SWEEP_STEP,
+    Message,
     Pause,
     parse_message,
     parse_retry_after,
@@ -267,6 +268,21 @@ async def test_a_pause_message_pauses_its_domain() -> None:
 
 
 @async_test
+async def test_a_change_of_rate_voids_moments_and_pauses_nothing() -> None:
+    """A limit set live or an adaptive decrease voids the moments reserved before it (up to the
+    last of them, here 80 s ahead), but requests may go at once: a worker that paces alone
+    does not hold the domain, and the log's summary says no pause."""
+    throttle = Throttle()
+    wall = throttle.clock.wall()
+    throttle.pauses._received(b"v80000000 7 a.example")
+    assert throttle.pauses.is_void(A, wall - 1, throttle.clock.now + 60)
+    assert throttle.pauses.paused_for(A) == 0.0
+    throttle.pauses._received(b"2500000 7 a.example")
+    assert throttle.pauses.paused_for(A) == pytest.approx(2.5), "a pause after it holds"
+    assert throttle.pauses.is_void(A, wall - 1, throttle.clock.now + 60), "both kept"
+
+
+@async_test
 async def test_a_domain_of_any_bytes_in_a_message_is_that_domain() -> None:
     throttle = Throttle()
     throttle.pauses._received(b"1000000 7 \xff.example")
@@ -358,8 +374,15 @@ async def test_a_moment_reserved_elsewhere_after_a_live_change_goes_at_its_turn(
 @pytest.mark.parametrize(
     ("data", "parsed"),
     [
-        (b"2000000 8000000000000 a.example", ("a.example", 2_000_000, 8_000_000_000_000)),
-        (b"0 1 a b", ("a b", 0, 1)),
+        (
+            b"2000000 8000000000000 a.example",
+            Message("a.example", 2_000_000, 8_000_000_000_000, True),
+        ),
+        (b"0 1 a b", Message("a b", 0, 1, True)),
+        (b"v2000000 8 a.example", Message("a.example", 2_000_000, 8, False)),  # a change of rate
+        (b"v 1 a.example", None),
+        (b"vv1 1 a.example", None),
+        (b"1v 1 a.example", None),
         (b"2000000 8000000000000", None),  # no domain
         (b"-1 1 a.example", None),
         (b"1.5 1 a.example", None),
@@ -368,7 +391,7 @@ async def test_a_moment_reserved_elsewhere_after_a_live_change_goes_at_its_turn(
         (b"", None),
     ],
 )
-def test_a_message_on_the_channel_is_a_pause_or_nothing(
-    data: bytes, parsed: tuple[str, int, int] | None
+def test_a_message_on_the_channel_is_a_pause_a_voiding_or_nothing(
+    data: bytes, parsed: Message | None
 ) -> None:
     assert parse_message(data) == parsed

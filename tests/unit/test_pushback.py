@@ -58,18 +58,23 @@ class FleetBucket:
 
 
 class HeldPauses:
-    """Stands for :class:`.Pauses`: the pauses this worker is asked to hold, each as (domain,
-    when it ends on the fake clock, Redis's moment of it)."""
+    """Stands for :class:`.Pauses`: the voidings this worker is asked to hold, each as (domain,
+    when it ends on the fake clock, Redis's moment of it, whether it is a pause)."""
 
     def __init__(self, clock: FakeClock) -> None:
         self._clock = clock
-        self.held: list[tuple[str, float, float | None]] = []
+        self.held: list[tuple[str, float, float | None, bool]] = []
 
     def pause(
-        self, domain: str, seconds: float, age: float = 0.0, at_us: float | None = None
+        self,
+        domain: str,
+        seconds: float,
+        age: float = 0.0,
+        at_us: float | None = None,
+        holds: bool = True,
     ) -> None:
         assert age == 0.0, "Pushback's pauses start now"
-        self.held.append((domain, self._clock.monotonic() + seconds, at_us))
+        self.held.append((domain, self._clock.monotonic() + seconds, at_us, holds))
 
 
 class Worker:
@@ -110,8 +115,9 @@ class Worker:
                 reasons[reason] = reasons.get(reason, 0) + count
         return reasons
 
-    def paused_until(self) -> list[tuple[str, float, float | None]]:
-        """The pauses this worker holds: domain, end (loop time) and Redis's moment."""
+    def paused_until(self) -> list[tuple[str, float, float | None, bool]]:
+        """The voidings this worker holds: domain, end (loop time), Redis's moment and
+        whether it is a pause."""
         return self.pauses.held
 
     async def answer(
@@ -138,7 +144,7 @@ async def test_a_429_pauses_its_domain_for_the_fleet_for_its_retry_after() -> No
     response = await worker.answer(429, {"Retry-After": "30"})
     assert response.status == 429, "the response goes on, to RetryMiddleware"
     assert worker.fleet.penalized == [(A, ONE_PER_SECOND, 30.0)]
-    assert worker.paused_until() == [(A, worker.clock.now + 30.0, AT_US)]
+    assert worker.paused_until() == [(A, worker.clock.now + 30.0, AT_US, True)]
     assert worker.stat("penalties/429") == 1
     assert worker.stat("pauses") == 1
     assert worker.stat("pause_max") == 30.0
@@ -232,7 +238,7 @@ async def test_without_redis_the_worker_pauses_alone_for_at_most_max_pause() -> 
     now = worker.clock.now
     await worker.answer(429, {"Retry-After": "5000"})
     await worker.answer(429)
-    assert worker.paused_until() == [(A, now + 100.0, None), (A, now + 3.0, None)]
+    assert worker.paused_until() == [(A, now + 100.0, None, True), (A, now + 3.0, None, True)]
     assert worker.stat("pauses") is None, "the fleet's pauses only"
     assert worker.stat("penalties/429") == 2
     assert worker.pause_reasons() == {RETRY_AFTER: 1, "429": 1}
@@ -245,7 +251,7 @@ async def test_an_answer_to_a_request_sent_before_the_pause_adds_nothing() -> No
     worker = Worker(REDIS_THROTTLE_ADAPTIVE_ENABLED=True)
     worker.fleet.penalties.append(penalty(12.0, changed=False))
     await worker.answer(429)
-    assert worker.paused_until() == [(A, worker.clock.now + 12.0, AT_US)]
+    assert worker.paused_until() == [(A, worker.clock.now + 12.0, AT_US, True)]
     assert worker.stat("pauses") is None
     assert worker.pause_reasons() == {}
     assert worker.fleet.slowed == []
@@ -253,7 +259,8 @@ async def test_an_answer_to_a_request_sent_before_the_pause_adds_nothing() -> No
 
 @async_test
 async def test_a_new_pause_lowers_the_adaptive_rate_held_for_the_pause() -> None:
-    """A new pause lowers the adaptive rate, held for the pause; its voiding is held too."""
+    """A new pause lowers the adaptive rate, held for the pause; its voiding is held too, as
+    no pause."""
     worker = Worker(REDIS_THROTTLE_ADAPTIVE_ENABLED=True)
     worker.fleet.penalties.append(penalty(8.0))
     lowered = SlowDown(lowered=True, rate=0.5, back_in=600.0, void=4.0, at_us=AT_US + 1)
@@ -263,7 +270,10 @@ async def test_a_new_pause_lowers_the_adaptive_rate_held_for_the_pause() -> None
     await worker.answer(503, meta={SENT_META: sent_at})
     assert worker.fleet.slowed == [(A, ONE_PER_SECOND, 2.0, 8.0)]
     now = worker.clock.now
-    assert worker.paused_until() == [(A, now + 8.0, AT_US), (A, now + 4.0, AT_US + 1)]
+    assert worker.paused_until() == [
+        (A, now + 8.0, AT_US, True),
+        (A, now + 4.0, AT_US + 1, False),
+    ], "the decrease voids the moments reserved before it, and holds nothing"
     assert worker.stat("adaptive/lowered") == 1
 
 
