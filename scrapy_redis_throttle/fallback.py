@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from .config import FALLBACK_LOCAL, FALLBACK_OPEN
 from .local_buckets import LocalBuckets
+from .pauses import CLOCK_MARGIN
 from .replies import AcquireResult
 from .stats import STATS_PREFIX
 
@@ -115,6 +116,8 @@ class Fallback:
         # share, in buckets of their own: the other workers may still pace alone.
         self._handover_until = 0.0
         self._handover = LocalBuckets(clock)
+        # When Redis last answered again after an outage (wall time; None: never).
+        self._returned_at: float | None = None
 
     def decide(
         self, domain: str, limit: Limit, cost: float, others: Sequence[Budget], outage: float
@@ -185,6 +188,16 @@ class Fallback:
         self._stats.inc_value(f"{STATS_PREFIX}/handover_waits")
         return share.retry_after
 
+    def returned_since(self, reserved_at: float, elsewhere: bool = False) -> bool:
+        """Whether a moment given out alone at *reserved_at* (wall time; *elsewhere*: in another
+        process, whose clock may differ by up to CLOCK_MARGIN) was given before Redis answered
+        again: it is void, and its request asks Redis. Redis is told only of the moments that
+        went alone (see :meth:`.LocalBuckets.returned`), and once another worker's handover is
+        over Redis gives it the times of those that had not come yet."""
+        if self._returned_at is None:
+            return False
+        return reserved_at < self._returned_at + (CLOCK_MARGIN if elsewhere else 0.0)
+
     def workers(self) -> int | None:
         """The ``"local"`` policy's divisor: the setting, else the fleet's size as last seen."""
         return self._config.fallback_workers or self._fleet_size()
@@ -205,6 +218,10 @@ class Fallback:
 
     def redis_back(self, outage: float) -> None:
         """Redis answers again after *outage* seconds (the breaker closed)."""
+        self._returned_at = self._clock.wall()
+        # The moments given out alone that have not come yet are void: Redis, back, does not
+        # know them, and gives their times to the other workers once their handover is over.
+        self.local.returned()
         self._start_handover()
         self.count_outage(outage)
         logger.info(

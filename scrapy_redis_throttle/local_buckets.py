@@ -44,6 +44,9 @@ class LocalBuckets:
         self._untold: dict[str, int] = {}
         self._takes = 0
         self._prune_size = LOCAL_PRUNE_SIZE
+        # The moments this process gave out alone that may not have come yet, per bucket, in
+        # order: (moment, the bucket's time before that take), for :meth:`returned`.
+        self._alone: dict[str, list[tuple[float, float]]] = {}
 
     def __len__(self) -> int:
         return len(self._full_at)
@@ -62,11 +65,15 @@ class LocalBuckets:
         decided = shared.decided(now)
         full_at = decided + shared.reset_after
         self._full_at[domain] = max(self._full_at.get(domain, now), full_at)
+        if self._alone:
+            # Redis's view since: what was taken alone before stays as it is (see returned).
+            self._alone.pop(domain, None)
         if shared.allowed or shared.reserved:
             moment = decided + shared.retry_after
             for name, each in others:
                 taken = moment + cost / each.rate
                 self._full_at[name] = max(self._full_at.get(name, now), taken)
+                self._alone.pop(name, None)
         self._prune(now)
 
     def seen(self, domain: str) -> bool:
@@ -112,6 +119,21 @@ class LocalBuckets:
         :class:`.ResilientBucket`: each bucket counts as drained when the loss was read."""
         self._full_at.clear()
         self._untold.clear()
+        self._alone.clear()
+
+    def returned(self) -> None:
+        """Redis answers again: the moments this process gave out alone that have not come
+        yet are void (their requests ask Redis, see :meth:`.Fallback.returned_since`), and are
+        not told to Redis as busy: each bucket goes back to its time before the first of them,
+        which still counts what went alone and what was seen reserved in Redis."""
+        now = self._clock.monotonic()
+        for name, takes in self._alone.items():
+            for moment, before in takes:
+                if moment > now:
+                    if name in self._full_at:
+                        self._full_at[name] = min(self._full_at[name], before)
+                    break
+        self._alone.clear()
 
     def untold(self, domains: Iterable[str]) -> dict[str, int]:
         """Which of *domains* have a :meth:`busy_until` to tell Redis of, as :meth:`told` takes
@@ -161,6 +183,9 @@ class LocalBuckets:
             self._full_at[name] = max(each_full_at, now + wait) + cost * each_interval
             self._takes += 1
             self._untold[name] = self._takes
+            takes = [take for take in self._alone.get(name, ()) if take[0] > now]
+            takes.append((now + wait, each_full_at))
+            self._alone[name] = takes
         self._prune(now)
         new_full_at = self._full_at[domain]
         return AcquireResult(
@@ -177,5 +202,8 @@ class LocalBuckets:
         self._full_at = {domain: at for domain, at in self._full_at.items() if at > now}
         self._untold = {
             domain: take for domain, take in self._untold.items() if domain in self._full_at
+        }
+        self._alone = {
+            domain: takes for domain, takes in self._alone.items() if domain in self._full_at
         }
         self._prune_size = max(LOCAL_PRUNE_SIZE, 2 * len(self._full_at))

@@ -50,6 +50,8 @@ class SharedBucket(Protocol):
 
     def lost(self, reserved_at: float, elsewhere: bool = False) -> bool: ...
 
+    def returned_since(self, reserved_at: float, elsewhere: bool = False) -> bool: ...
+
 
 class Moments:
     """Waits for reserved moments, and tells whether each still holds when it comes."""
@@ -149,6 +151,11 @@ class Moments:
             # Redis restarted empty since: its bucket may give the moment to another request,
             # and one taken alone was placed after moments that are no more.
             self._stats.inc_value(f"{STATS_PREFIX}/lost_reservations")
+            return False
+        if local and self._bucket.returned_since(reserved_at, elsewhere):
+            # Given out alone while Redis failed, and Redis answers again since: Redis was not
+            # told of it, and may have given its time to another worker.
+            self._stats.inc_value(f"{STATS_PREFIX}/fallback/returned_reservations")
             return False
         return True
 

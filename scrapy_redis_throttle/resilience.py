@@ -98,6 +98,11 @@ class ResilientBucket:
         """Whether a moment reserved at *reserved_at* is lost (see :meth:`.LostState.lost`)."""
         return self.lost_state.lost(reserved_at, elsewhere)
 
+    def returned_since(self, reserved_at: float, elsewhere: bool = False) -> bool:
+        """Whether a moment given out alone at *reserved_at* is void: Redis answered again since
+        (see :meth:`.Fallback.returned_since`)."""
+        return self.fallback.returned_since(reserved_at, elsewhere)
+
     async def acquire(
         self,
         domain: str,

@@ -31,7 +31,11 @@ class SentinelSetup:
         for name in ("primary", "replica"):
             (directory / name).mkdir(parents=True)
         self.directory = directory
-        self.primary = RedisServer("--dir", str(directory / "primary"))
+        # The replica syncs at once (Redis 7 waits 5 s by default for more replicas): a
+        # failover promotes a copy of the buckets, not an empty Redis.
+        self.primary = RedisServer(
+            "--dir", str(directory / "primary"), "--repl-diskless-sync-delay", "0"
+        )
         self.replica = RedisServer(
             "--dir", str(directory / "replica"), "--replicaof", "127.0.0.1",
             str(self.primary.port),
@@ -49,6 +53,12 @@ class SentinelSetup:
                 lambda: primary.info("replication").get("connected_slaves", 0) >= 1,
                 SETUP_TIMEOUT,
                 "the replica to connect to the primary",
+            )
+        with self.replica.client() as replica:
+            wait_until(
+                lambda: replica.info("replication").get("master_link_status") == "up",
+                SETUP_TIMEOUT,
+                "the replica to sync with the primary",
             )
         config = self.directory / "sentinel.conf"
         config.write_text(

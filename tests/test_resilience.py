@@ -327,6 +327,9 @@ class RecordingBucket:
     def lost(self, reserved_at: float, elsewhere: bool = False) -> bool:
         return self.bucket.lost(reserved_at, elsewhere)
 
+    def returned_since(self, reserved_at: float, elsewhere: bool = False) -> bool:
+        return self.bucket.returned_since(reserved_at, elsewhere)
+
 
 @pytest.mark.parametrize("listening", [True, False], ids=["listening", "not-listening"])
 @async_test

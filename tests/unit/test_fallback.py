@@ -278,7 +278,9 @@ async def test_after_an_outage_a_worker_keeps_to_its_share_for_one_probe_interva
     assert not waiting.shared
     assert len(scripts.calls) == calls, "it waits for its share without asking Redis"
     assert collector.get_value("redis_throttle/handover_waits") == 1
-    assert waiting.result.retry_after == pytest.approx(0.5), "its share's next moment: 1.0 s"
+    # The moments it gave out alone that had not come (0.6 and 0.8 s) are void: its share goes
+    # on from what went (0, 0.2 and 0.4 s).
+    assert waiting.result.retry_after == pytest.approx(0.1), "its share's next moment: 0.6 s"
     await clock.advance(waiting.result.retry_after)
     assert (await bucket.acquire(A, TEN_PER_SECOND, 1)).shared, "its share allows it: Redis"
     await clock.advance(2.0)
@@ -360,11 +362,10 @@ async def test_a_refused_call_is_paced_alone_and_the_breaker_stays_closed() -> N
 async def test_what_was_taken_during_the_outage_is_told_until_a_call_takes_tokens() -> None:
     clock = FakeClock()
     bucket, scripts, _ = resilient_bucket(clock, fleet=1, REDIS_THROTTLE_PROBE_INTERVAL=1)
-    one_per_second = limit("1/s")
+    one_per_second = limit("1/5s")
     seen(bucket)
     scripts.up = False
-    for _ in range(3):
-        await bucket.acquire(A, one_per_second, 1)  # taken locally: busy until 3 s
+    await bucket.acquire(A, one_per_second, 1)  # taken locally, and gone: busy until 5 s
     scripts.up = True
     await clock.advance(FIRST_PROBE_DELAY)
     await clock.advance(1.0)  # the handover is over
@@ -378,8 +379,36 @@ async def test_what_was_taken_during_the_outage_is_told_until_a_call_takes_token
     told = [busy_until for _, busy_until in scripts.calls]
     assert told[0] > 0, "told"
     # A refusal wrote nothing: told again, with the token its request took locally.
-    assert told[1] == told[0] + 1.0
+    assert told[1] == told[0] + 5.0
     assert told[2] == 0, "the call that took tokens wrote it"
+
+
+@async_test
+async def test_moments_given_alone_that_have_not_come_when_redis_is_back_are_void() -> None:
+    """A worker of two paces alone at 5/s (moments 0, 0.2, ... 0.8 s) and Redis answers again
+    at 0.5 s. The moments of 0.6 and 0.8 s were given out alone: Redis does not know them, and
+    once the other worker's handover is over it gives their times to that worker (a failover:
+    both sent at once, twice). They are void (their requests ask Redis), and Redis is told of
+    what went alone, not of them."""
+    clock = FakeClock()
+    bucket, scripts, _ = resilient_bucket(
+        clock, REDIS_THROTTLE_PROBE_INTERVAL=0.5, REDIS_THROTTLE_FALLBACK_AFTER=0
+    )
+    seen(bucket)
+    scripts.up = False
+    given_at = clock.wall()
+    for _ in range(5):
+        assert (await bucket.acquire(A, TEN_PER_SECOND, 1)).source is Source.ALONE
+    assert not bucket.returned_since(given_at), "while Redis fails, they hold"
+    scripts.up = True
+    await clock.advance(FIRST_PROBE_DELAY)
+    assert bucket.breaker.open_for() is None
+    assert bucket.returned_since(given_at)
+    assert not bucket.returned_since(clock.wall()), "a moment given alone since holds"
+    assert bucket.fallback.local.busy_until(A) == pytest.approx(clock.now + 0.1), (
+        "what went: until 0.6 s"
+    )
+    await bucket.aclose()
 
 
 @pytest.mark.parametrize(
