@@ -13,6 +13,7 @@ each worker stops once the frontier has been empty for a few seconds
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -25,6 +26,7 @@ from demo_site import HOSTS, DemoSite
 from fleet_runs import Domain, fetched, refusals, refused
 from local_redis import RedisServer
 from processes import tool
+from redis_topologies import UNUSED_URL
 from support import achieved_rate
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -42,6 +44,12 @@ def missed(logs: list[str], host: str) -> int:
     """The moments the workers were too busy to use for *host* (each asked anew, its turn
     lost for politeness: see waiting.MISSED_AFTER), from their DEBUG lines."""
     return sum(log.count(f"missed its moment for '{host}'") for log in logs)
+
+
+# README's start command: each worker's crawl, then what its log says if it could not start.
+START_COMMAND = re.compile(
+    r"for n in 1 2 3; do \((scrapy crawl shop [^;]*); (grep -m 1 [^)]* worker-\$n\.log)\) & done"
+)
 
 
 def readme_block(first_line: str) -> str:
@@ -83,6 +91,51 @@ def test_the_tool_says_when_the_project_s_workers_would_not_throttle(
     assert (said in done.stderr) is above, done.stderr
 
 
+@pytest.mark.parametrize(
+    ("line", "printed"),
+    [
+        (
+            'REDIS_THROTTLE_RATE = "5/s"',
+            "ERROR: Redis throttle: the worker stops: REDIS_THROTTLE_RATE is no setting of "
+            "scrapy-redis-throttle: did you mean REDIS_THROTTLE_RATES?",
+        ),
+        (
+            f'REDIS_URL = "{UNUSED_URL}"',
+            "ERROR: Redis throttle: the worker stops: scrapy_redis.scheduler.Scheduler cannot "
+            f"reach its Redis at {UNUSED_URL} (REDIS_URL): ConnectionError",
+        ),
+        (
+            'REDIS_URL = "redis//localhost:6379/0"',  # read by scrapy-redis's spider, first
+            "ValueError: Redis URL must specify one of the following schemes",
+        ),
+    ],
+    ids=["unknown-setting", "redis-down", "malformed-redis-url"],
+)
+def test_a_worker_that_cannot_start_prints_why_with_the_readme_s_command(
+    tmp_path: Path, line: str, printed: str
+) -> None:
+    """README's start command as written, one worker, run by a shell: the one line it prints."""
+    project = start_project(tmp_path)
+    settings = project / "shop" / "settings.py"
+    settings.write_text(settings.read_text(encoding="utf-8") + f"\n{line}\n", encoding="utf-8")
+    (project / "shop" / "spiders" / "shop.py").write_text(
+        readme_block("# shop/spiders/shop.py"), encoding="utf-8"
+    )
+    command = readme_block("redis-cli lpush shop:start_urls").splitlines()[1]
+    assert START_COMMAND.fullmatch(command), command
+    done = subprocess.run(
+        ["bash", "-c", command.replace("1 2 3", "1") + "; wait"],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"},
+    )
+    [shown] = done.stdout.splitlines()
+    assert printed in shown, done.stdout
+    assert done.stderr == "", done.stderr
+
+
 @pytest.mark.parametrize("workers", [2, 3])
 def test_the_readme_s_quick_start_crawls_politely_and_uses_the_budget(
     redis_server: RedisServer, tmp_path: Path, workers: int
@@ -103,11 +156,7 @@ def test_the_readme_s_quick_start_crawls_politely_and_uses_the_budget(
     (project / "shop" / "spiders" / "shop.py").write_text(spider, encoding="utf-8")
     start_urls = [json.loads(seed_request)["url"] for seed_request in shlex.split(seed[0])[3:]]
     # Each worker's command, which prints the end of its log if it fails.
-    command = re.fullmatch(
-        r"for n in 1 2 3; do \((scrapy crawl shop [^;]*); "
-        r'grep -m 1 "ERROR: Redis throttle" worker-\$n\.log\) & done',
-        seed[1],
-    )
+    command = START_COMMAND.fullmatch(seed[1])
     assert command, seed[1]
 
     overload = {domain.host: domain.overload() for domain in NAMES.values()}
