@@ -254,13 +254,14 @@ def throttle_off(settings: Settings, spider: type[Spider] | None) -> str | None:
 
 
 def _is(key: object, component: type) -> bool:
-    """Whether *key* of a components' dict (a class, or its import path) is *component*."""
+    """Whether *key* of a components' dict (a class, or its import path) is *component*, or
+    a subclass of it."""
     if isinstance(key, str):
         try:
             key = load_object(key)
         except Exception:  # a component the tool cannot import is not the throttle's
             return False
-    return key is component
+    return isinstance(key, type) and issubclass(key, component)
 
 
 def live_limit(
