@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from .clock import Clock
     from .config import ThrottleConfig
     from .fleet import Fleet
+    from .live_limits import LiveLimits
     from .rates import Limit
 
 logger = logging.getLogger(__name__)
@@ -104,8 +105,10 @@ class Fallback:
         log_extra: Callable[[], dict[str, Any]],
         clock: Clock,
         fleet: Fleet | None,
+        live_limits: LiveLimits,
     ) -> None:
         self._config = config
+        self._live_limits = live_limits
         self._stats = stats
         self._log_extra = log_extra
         self._clock = clock
@@ -156,7 +159,13 @@ class Fallback:
         self, domain: str, limit: Limit, cost: float, others: Sequence[Budget]
     ) -> Grant:
         """A decision of this worker alone: its share of *domain*'s rate (and of its other
-        scopes')."""
+        scopes'), under its limit set live as Redis last told it."""
+        live = self._live_limits.of(domain)
+        if live is not None and live.paused:
+            # Paused live for the fleet: only Redis can tell that it was resumed.
+            self._stats.inc_value(f"{STATS_PREFIX}/fallback/paused_live")
+            return Grant(later(WAIT_FOR_REDIS), Source.WAIT)
+        limit = self._live_limits.over(domain, limit)
         workers = self.workers()
         if workers is not None:
             self._stats.inc_value(f"{STATS_PREFIX}/fallback/local")
@@ -182,6 +191,7 @@ class Fallback:
         workers = self.workers()
         if workers is None or self._clock.monotonic() >= self._handover_until:
             return 0.0
+        limit = self._live_limits.over(domain, limit)
         share = self._handover.acquire(domain, limit, cost, 0.0, workers, others)
         if share.allowed:
             return 0.0

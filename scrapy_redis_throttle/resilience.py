@@ -20,6 +20,7 @@ from .breaker import CircuitBreaker
 from .bucket import TokenBucket
 from .config import FALLBACK_LOCAL
 from .fallback import WAIT_FOR_REDIS, Fallback, Grant, Source, later
+from .live_limits import LiveLimits
 from .lost_state import LostState
 from .redis_guard import RedisGuard, ScriptRefused
 from .rejections import Rejections
@@ -75,7 +76,10 @@ class ResilientBucket:
         self._config = config
         self._rejections = Rejections(stats, log_extra)
         self._closing = False
-        self.fallback = Fallback(config, stats, log_extra, clock, fleet)
+        self.live_limits = LiveLimits(log_extra)
+        """What of the limits set live reached this worker, as Redis told it: its pace alone
+        keeps to them."""
+        self.fallback = Fallback(config, stats, log_extra, clock, fleet, self.live_limits)
         self.lost_state = LostState(
             config, stats, self._rejections, log_extra, clock, self.fallback
         )
@@ -168,6 +172,7 @@ class ResilientBucket:
             return None
         if result is None:
             return None
+        self.live_limits.told(domain, result.live, limit)
         if result.live_invalid:
             self._rejections.reject(
                 "live_limit",

@@ -25,7 +25,6 @@ from .connection import close, connect
 from .crawl_delay import CrawlDelays
 from .domains import Domains
 from .engine_hooks import attach_parking
-from .live_limits import LiveLimits
 from .log_summary import LogSummary
 from .metrics import CANCELED, REJECTED, UNTHROTTLED, ThrottleMetrics, WorkerState
 from .metrics_endpoint import serve
@@ -93,6 +92,7 @@ class Throttle:
         self.bucket = ResilientBucket(
             self.redis, config, stats, log_extra, clock, self.activity, scripts
         )
+        self.live_limits = self.bucket.live_limits
         self.metrics = ThrottleMetrics(
             config.metrics.on,
             config.metrics.max_domains,
@@ -118,7 +118,6 @@ class Throttle:
             clock=clock,
             state=self.bucket.guard,
         )
-        self.live_limits = LiveLimits(log_extra)
         self.log_summary = LogSummary(
             config.log_interval,
             self.activity,

@@ -121,7 +121,6 @@ class Turns:
                 asked_at = self._clock.wall()
                 grant = await self._bucket.acquire(domain, limit, budget.cost, others)
                 result = grant.result
-                self._live_limits.told(domain, result.live, limit)
                 decided = result.decided(self._clock.monotonic())
                 delayed = delayed or grant.waited_for_redis
                 paused = 0.0 if grant.shared else self._pauses.paused_for(domain)

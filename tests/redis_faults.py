@@ -186,9 +186,16 @@ def fault_settings(redis_url: str, policy: str, **overrides: Any) -> dict[str, A
     }
 
 
-async def run_fault(lab: Lab, site: DemoSite, host: str, fault: Fault, policy: str) -> FaultRun:
+async def run_fault(
+    lab: Lab,
+    site: DemoSite,
+    host: str,
+    fault: Fault,
+    policy: str,
+    seconds: float = FAULT_SECONDS,
+) -> FaultRun:
     """Crawl REQUESTS pages of *host* at RATE through the proxy; inject *fault* after
-    FAULT_AFTER arrivals, recover after FAULT_SECONDS (or once noticed), finish the crawl."""
+    FAULT_AFTER arrivals, recover after *seconds* (or once noticed), finish the crawl."""
     recorder = _BackRecorder()
     logger = logging.getLogger("scrapy_redis_throttle")
     level = logger.level
@@ -210,7 +217,7 @@ async def run_fault(lab: Lab, site: DemoSite, host: str, fault: Fault, policy: s
 
         def over() -> bool:
             noticed = crawler.stats.get_value("redis_throttle/outages", 0) > 0
-            return time.time() >= injected + FAULT_SECONDS and (noticed or not fault.noticed)
+            return time.time() >= injected + seconds and (noticed or not fault.noticed)
 
         await wait_for(over, f"the throttle to notice {fault.name}")
         recovered = time.time()

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import redis
 from demo_site import HOSTS, DemoSite
 from local_redis import RedisServer
 from redis_faults import (
@@ -36,6 +37,9 @@ from support import (
     wait_until,
 )
 from tcp_proxy import TcpProxy
+
+from scrapy_redis_throttle.config import DEFAULT_KEY_PREFIX
+from scrapy_redis_throttle.control import LiveControl
 
 A = HOSTS[0]
 
@@ -84,6 +88,20 @@ async def test_local_fallback_keeps_the_pace_through_the_fault(
     assert_released_paced(run.stats, run.arrivals, RATE, 1, A, extra=1)
     if run.outages:
         assert run.stats["redis_throttle/fallback/local"] > 0
+
+
+@async_test
+async def test_a_limit_set_live_holds_while_the_worker_paces_alone(
+    lab: Lab, site: DemoSite
+) -> None:
+    """Set live at half the spider's rate before the crawl: Redis stalls for 8 s, and the
+    worker, pacing alone, keeps to the limit set live, not to its own."""
+    with redis.Redis.from_url(lab.server.url) as client:
+        LiveControl(client, DEFAULT_KEY_PREFIX).set(A, RATE / 2, None)
+    run = await run_fault(lab, site, A, FAULTS[1], "local", seconds=8.0)
+    assert run.stats["redis_throttle/fallback/local"] > 0
+    assert_released_paced(run.stats, run.arrivals, RATE / 2, 1, A, extra=1)
+    check_run(run)
 
 
 @async_test

@@ -22,6 +22,7 @@ from scrapy_redis_throttle.config import (
     FALLBACK_WAIT,
 )
 from scrapy_redis_throttle.fallback import WAIT_FOR_REDIS, Source
+from scrapy_redis_throttle.live_limits import LiveLimit
 from scrapy_redis_throttle.local_buckets import LocalBuckets
 from scrapy_redis_throttle.rates import Limit
 from scrapy_redis_throttle.replies import AcquireResult
@@ -227,6 +228,25 @@ async def test_a_worker_alone_in_its_fleet_paces_at_once(settings: dict[str, Any
     grants = [await bucket.acquire(A, TEN_PER_SECOND, 1) for _ in range(2)]
     assert [grant.result.retry_after for grant in grants] == pytest.approx([0, 0.1])
     assert collector.get_value("redis_throttle/fallback/held") is None
+    await bucket.aclose()
+
+
+@async_test
+async def test_a_worker_alone_keeps_to_the_limit_set_live_redis_last_told() -> None:
+    """Set live at 1/s (its own 10/s): paced alone, the second request goes 2 s after the
+    first, not 1.1 s; paused live, nothing goes until Redis tells the resume."""
+    clock = FakeClock()
+    bucket, scripts, collector = resilient_bucket(clock, fleet=1)
+    scripts.set_live(A, limit("1/s"))
+    assert (await bucket.acquire(A, TEN_PER_SECOND, 1)).shared
+    scripts.up = False
+    grants = [await bucket.acquire(A, TEN_PER_SECOND, 1) for _ in range(2)]
+    assert [grant.source for grant in grants] == [Source.ALONE] * 2
+    assert [grant.result.retry_after for grant in grants] == pytest.approx([1.0, 2.0])
+    bucket.live_limits.told(A, LiveLimit(rate=None, burst=None, paused=True), TEN_PER_SECOND)
+    paused = await bucket.acquire(A, TEN_PER_SECOND, 1)
+    assert (paused.source, paused.result.retry_after) == (Source.WAIT, WAIT_FOR_REDIS)
+    assert collector.get_value("redis_throttle/fallback/paused_live") == 1
     await bucket.aclose()
 
 
