@@ -87,13 +87,15 @@ def test_a_reply_with_quotas_tells_them_before_the_limit_set_live() -> None:
 
 @async_test
 async def test_a_worker_says_when_a_live_limit_reaches_it(caplog: pytest.LogCaptureFixture) -> None:
-    """Through the worker's turns, and in its summary line."""
-    caplog.set_level(logging.INFO, logger="scrapy_redis_throttle")
+    """Through the worker's turns, in its wait lines and in its summary line."""
+    caplog.set_level(logging.DEBUG, logger="scrapy_redis_throttle")
     throttle = Throttle()
     await throttle.take(Request(f"http://{A}/0"), FIVE)
     throttle.scripts.set_live(A, limit("1/s"))
     await throttle.take(Request(f"http://{A}/1"), FIVE)
     await throttle.take(Request(f"http://{A}/2"), FIVE)
+    [waits] = [r.getMessage() for r in caplog.records if " waits " in r.getMessage()]
+    assert waits.endswith(f"for {A!r} (1/s (burst 1))"), waits
     assert [m for m in messages(caplog) if "set live" in m] == [
         f"Redis throttle: {A!r} follows a limit set live for the fleet: 1/s (burst 1) "
         "(its own: 5/s (burst 1))"
