@@ -203,9 +203,6 @@ def project_config(args: argparse.Namespace) -> ThrottleConfig:
         settings.set("REDIS_THROTTLE_SENTINEL_SERVICE", args.service, priority="cmdline")
     if args.cluster_nodes:
         settings.set("REDIS_THROTTLE_CLUSTER_NODES", args.cluster_nodes, priority="cmdline")
-    settings_off = settings.copy()
-    # The tool works on the fleet's Redis even where these settings turn the throttle off.
-    settings.set("REDIS_THROTTLE_ENABLED", True, priority="cmdline")
     spider = None
     args.spider_unknown = False
     if args.spider:
@@ -225,7 +222,9 @@ def project_config(args: argparse.Namespace) -> ThrottleConfig:
         if len(names) == 1:
             spider = loader.load(names[0])
         args.spider_unknown = len(names) > 1
-    args.throttle_off = throttle_off(settings_off, spider) if args.in_project else None
+    args.throttle_off = throttle_off(settings, spider) if args.in_project else None
+    # The tool works on the fleet's Redis even where these settings turn the throttle off.
+    settings.set("REDIS_THROTTLE_ENABLED", True, priority="cmdline")
     return ThrottleConfig.from_settings(
         settings,
         spider_rates=getattr(spider, SPIDER_ATTRIBUTE, None),

@@ -86,7 +86,7 @@ def _quota(text: str) -> Quota:
     return Quota(algorithm, count, period, f"{count:g}/{period:g}s")
 
 
-def told(value: bytes | str) -> LiveLimit | None:
+def from_reply(value: bytes | str) -> LiveLimit | None:
     """A domain's limit set live as an acquire's reply tells it: :data:`NOTHING_LIVE` for
     none; None for a value that is none (written by hand: the script ignored what is no limit
     in it, and said so with its status)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from .live_limits import told
+from .live_limits import from_reply
 from .rates import Limit, Quota
 from .redis_schema import (
     LOG_SUFFIX,
@@ -45,7 +45,7 @@ def parse_reply(reply: list[Any], limit: Limit, decided_at: float | None = None)
     status, retry_after_us, reset_after_us, now_us, *quotas_left = reply
     live = None
     if quotas_left and not isinstance(quotas_left[-1], int):
-        live = told(quotas_left.pop())
+        live = from_reply(quotas_left.pop())
     live_invalid = status >= LIVE_INVALID
     if live_invalid:
         status -= LIVE_INVALID
