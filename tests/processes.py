@@ -27,10 +27,14 @@ def wait_until(
         time.sleep(interval)
 
 
+# ``scrapy-redis-throttle``'s command line, in a process of its own.
+TOOL = [sys.executable, "-m", "scrapy_redis_throttle.cli"]
+
+
 def tool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """``scrapy-redis-throttle`` in a process of its own."""
+    """``scrapy-redis-throttle`` in a process of its own, until it ends."""
     return subprocess.run(
-        [sys.executable, "-m", "scrapy_redis_throttle.cli", *args],
+        [*TOOL, *args],
         capture_output=True,
         text=True,
         timeout=60,

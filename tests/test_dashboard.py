@@ -11,7 +11,6 @@ import json
 import shutil
 import signal
 import subprocess
-import sys
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 import pytest
 from demo_site import HOSTS, DemoSite
 from local_redis import RedisServer, free_port
-from processes import finish_crawl_workers, start_crawl_workers, wait_until
+from processes import TOOL, finish_crawl_workers, start_crawl_workers, wait_until
 from redis_topologies import UNUSED_URL
 from support import crawl_settings, pages, shared_jobs
 
@@ -116,16 +115,7 @@ def test_every_panel_of_the_dashboard_shows_the_crawl(
             stderr=prometheus_log,
         ),
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "scrapy_redis_throttle.cli",
-                "--redis-url",
-                redis_server.url,
-                "exporter",
-                "--port",
-                str(exporter_port),
-            ],
+            [*TOOL, "--redis-url", redis_server.url, "exporter", "--port", str(exporter_port)],
             stdout=subprocess.DEVNULL,
         ),
     ]

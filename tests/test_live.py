@@ -7,7 +7,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from importlib import metadata
@@ -20,6 +19,7 @@ from conftest import EXAMPLE_PROJECT
 from demo_site import HOSTS, DemoSite
 from local_redis import RedisServer
 from metrics_scrape import Samples, fetch, samples, value
+from processes import TOOL
 from scrapy.crawler import CrawlerRunner
 from scrapy.utils.defer import maybe_deferred_to_future
 from spiders import UrlListSpider
@@ -396,7 +396,7 @@ def test_the_tool_says_when_redis_fails(tmp_path: Path) -> None:
 def run_tool_until(args: list[str], changed: Callable[[], object]) -> float:
     """Run the tool with ``--redis-url`` *args*; return the moment Redis shows the change."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "scrapy_redis_throttle.cli", "--redis-url", *args],
+        [*TOOL, "--redis-url", *args],
         stdout=subprocess.DEVNULL,
     )
     wait_until(changed, 60, f"the change of {args[1:]}")
@@ -486,16 +486,7 @@ def test_the_exporter_and_status_show_a_running_fleet(
     with redis_server.client() as client:
         LiveControl(client, "redis_throttle").set(B, 3, None)
     exporter = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "scrapy_redis_throttle.cli",
-            "--redis-url",
-            redis_server.url,
-            "exporter",
-            "--port",
-            "0",
-        ],
+        [*TOOL, "--redis-url", redis_server.url, "exporter", "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -18,6 +18,19 @@ from scrapy_redis_throttle.replies import AcquireResult, Reservation
 A = "a.example"
 
 
+def reserved(step: int, reset_after: float) -> AcquireResult:
+    """Redis's answer to a request reserved 0.2 s ahead, whose tokens added *step* µs to the
+    bucket (the interval Redis paced it at, see :func:`.waiting._rate_in_force`)."""
+    return AcquireResult(
+        allowed=False,
+        reserved=True,
+        tokens_left=0.0,
+        retry_after=0.2,
+        reset_after=reset_after,
+        reservation=Reservation(after=2_000_000, step=step, at=1_000_000),
+    )
+
+
 def line(domain: str, sent: int, waiting: int = 0) -> DomainLine:
     return DomainLine(domain, "1/s (burst 1)", None, 0.0, sent, waiting, 0.5)
 
@@ -59,20 +72,10 @@ async def test_a_worker_s_domains_as_it_sent_them() -> None:
 
 @async_test
 async def test_the_limit_in_force_is_the_one_redis_paced_at() -> None:
-    """A limit set live (or an adaptive rate) shows as the rate of the last request's
+    """An adaptive rate (or any rate Redis paced at) shows as the rate of the last request's
     reservation: 1/s where the workers' own is 2/s."""
     throttle = Throttle()
-    step = 1_000_000  # µs: one request a second
-    throttle.scripts.answers.append(
-        AcquireResult(
-            allowed=False,
-            reserved=True,
-            tokens_left=0.0,
-            retry_after=0.2,
-            reset_after=1.2,
-            reservation=Reservation(after=2_000_000, step=step, at=1_000_000),
-        )
-    )
+    throttle.scripts.answers.append(reserved(step=1_000_000, reset_after=1.2))  # one a second
     await throttle.take(Request(f"http://{A}/"), limit("2/s"))
     [only] = throttle.throttle.log_summary.lines()
     assert only.limit == "1/s in force (2/s (burst 1) configured)"
@@ -110,16 +113,7 @@ async def test_a_limit_with_quotas_paced_at_its_bucket_s_rate_is_the_configured_
         source="test",
     )
     assert quota is not None
-    throttle.scripts.answers.append(
-        AcquireResult(
-            allowed=False,
-            reserved=True,
-            tokens_left=0.0,
-            retry_after=0.2,
-            reset_after=0.7,
-            reservation=Reservation(after=2_000_000, step=500_000, at=1_000_000),
-        )
-    )
+    throttle.scripts.answers.append(reserved(step=500_000, reset_after=0.7))
     await throttle.take(Request(f"http://{A}/"), quota)
     [only] = throttle.throttle.log_summary.lines()
     assert only.limit == str(quota)
